@@ -1,0 +1,38 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Both build .venv when it is missing or older than setup.py, then run.
+PYTHON ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.installed
+PY := $(VENV)/bin/python
+
+.PHONY: venv test test-all lint format bench clean-venv
+
+$(STAMP): setup.py Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# CPU torch from the local wheel first, so nothing below pulls a CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[cpu,dev]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ""
+
+lint: $(STAMP)
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff format . && $(PY) -m ruff check --fix .
+
+bench: $(STAMP)
+	$(PY) tools/bench.py gae
+
+clean-venv:
+	rm -rf $(VENV)

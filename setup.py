@@ -1,0 +1,43 @@
+"""Package metadata for vapo-megatron.
+
+Install on a CPU machine with ``make test`` (it builds ``.venv``), or by hand:
+``pip install torch==2.13.0 && pip install -e .[cpu,dev]``.
+"""
+
+from setuptools import find_packages, setup
+
+# megatron-core 0.16.1 is the newest release that installs on Python 3.11 and the one
+# the CPU shim was written and tested against; newer releases move the patched call sites.
+INSTALL_REQUIRES = [
+    "torch>=2.6",
+    "megatron-core==0.16.1",
+    "numpy",
+    "pyyaml",
+    "safetensors",
+    "sentencepiece",
+    "transformers>=5.16.1,<5.20",
+    "psutil",  # megatron dist_checkpointing imports it without declaring it
+    "tqdm",
+    "tensorboard",
+    "matplotlib",
+]
+
+EXTRAS = {
+    # What a CPU-only machine needs beyond the core. vLLM's CPU build joins with the rollout work.
+    "cpu": [],
+    # GPU clusters: vLLM's CUDA build and Transformer Engine (installed against the cluster's CUDA).
+    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    "dev": ["pytest>=8", "pytest-timeout", "ruff==0.17.6"],
+    "wandb": ["wandb"],
+}
+
+setup(
+    name="vapo-megatron",
+    version="0.1.0",
+    description="VAPO (value-model-based augmented PPO) on Megatron-core with vLLM rollouts",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vapo_megatron", "vapo_megatron.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": []},
+)

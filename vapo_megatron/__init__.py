@@ -1,0 +1,1 @@
+"""vapo-megatron: VAPO on Megatron-core with vLLM rollouts."""
