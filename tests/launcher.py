@@ -24,7 +24,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(script: str | Path, world_size: int, *args: str, timeout: float = 240.0) -> list[str]:
+def run_workers(
+    script: str | Path, world_size: int, *args: str, timeout: float = 240.0
+) -> list[str]:
     """Run ``python script args...`` as ``world_size`` ranks; return each rank's output.
 
     Fails (AssertionError with every rank's log) if any rank exits non-zero or the whole

@@ -1,0 +1,61 @@
+"""From an AlgoConfig to per-sequence lambdas and to advantages and critic targets."""
+
+from __future__ import annotations
+
+import torch
+
+from vapo_megatron.algorithms.config import AlgoConfig
+from vapo_megatron.algorithms.gae import gae_packed, gae_padded, length_adaptive_lambda
+
+
+def gae_lambdas(
+    cfg: AlgoConfig, num_response_tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lambda_policy [B], lambda_critic [B]) for sequences of the given response lengths [B].
+
+    Lengths are full-sequence counts (not a context-parallel shard's).
+    """
+    batch = num_response_tokens.shape[0]
+    if cfg.length_adaptive_alpha is not None:
+        lam_policy = length_adaptive_lambda(num_response_tokens, cfg.length_adaptive_alpha)
+    else:
+        lam_policy = torch.full((batch,), cfg.lambda_policy, dtype=torch.float64)
+    lam_critic = (
+        torch.full((batch,), cfg.lambda_critic, dtype=torch.float64)
+        if cfg.decoupled_gae
+        else lam_policy
+    )
+    return lam_policy, lam_critic
+
+
+def decoupled_gae_padded(
+    cfg: AlgoConfig, rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Policy advantages and critic returns for a padded batch [B, T].
+
+    Returns (advantages [B, T], returns [B, T], lambda_policy [B]).
+    """
+    lam_policy, lam_critic = gae_lambdas(cfg, response_mask.sum(1))
+    advantages, _ = gae_padded(rewards, values, response_mask, lam_policy.float(), cfg.gamma)
+    _, returns = gae_padded(rewards, values, response_mask, lam_critic.float(), cfg.gamma)
+    return advantages, returns, lam_policy
+
+
+def decoupled_gae_packed(
+    cfg: AlgoConfig,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As :func:`decoupled_gae_padded` for packed sequences [N] with boundaries cu_seqlens [S + 1]."""
+    seq_of_token = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1), cu_seqlens.diff())
+    lengths = torch.bincount(seq_of_token[response_mask.bool()], minlength=cu_seqlens.numel() - 1)
+    lam_policy, lam_critic = gae_lambdas(cfg, lengths)
+    advantages, _ = gae_packed(
+        rewards, values, response_mask, cu_seqlens, lam_policy.float(), cfg.gamma
+    )
+    _, returns = gae_packed(
+        rewards, values, response_mask, cu_seqlens, lam_critic.float(), cfg.gamma
+    )
+    return advantages, returns, lam_policy

@@ -1,0 +1,201 @@
+"""Generalised advantage estimation without a Python loop over time steps.
+
+Conventions (DESIGN.md, "Positions"): ``values[t]`` is V(s_t), the value of the state before
+response token t; ``rewards[t]`` is the reward received for token t (VAPO: the verifier's score
+at the last response token, 0 elsewhere); the value after the last response token is 0
+(terminal). Only tokens where ``response_mask`` is true take part: the recurrence runs over the
+response tokens of each sequence in order, and masked tokens are skipped (their advantage and
+return are 0).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t          (V after the last response token = 0)
+    A_t     = delta_t + gamma * lambda * A_{t+1}   (A after the last response token = 0)
+
+Decoupled GAE (VAPO) is two calls: advantages with lambda_policy, and critic targets
+``returns = A(lambda_critic) + V`` from a second call with lambda_critic.
+
+The scan: with c = gamma * lambda constant within a sequence, A_t = sum_{k>=t} c^(k-t) delta_k,
+a reverse discounted cumulative sum. It is computed in chunks of ``CHUNK`` tokens: inside a
+chunk, one batched matrix product with the [C, C] matrix of powers c^(k-t); across chunks, the
+same problem again on the chunks' first elements with coefficient c^C (recursively). Every
+power is of a number in [0, 1] with a non-negative exponent, so nothing overflows at T = 32k
+and c = 0 or 1 is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 16
+
+
+def length_adaptive_lambda(num_response_tokens: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's lambda_policy = 1 - 1 / (alpha * l), clamped to [0, 1].
+
+    num_response_tokens: [B] integer or float lengths l. Returns [B] float64.
+    l <= 1/alpha gives 0 (e.g. l <= 20 at alpha = 0.05); lengths of 0 give 0.
+    """
+    if alpha <= 0:
+        raise ValueError(f"length-adaptive GAE needs alpha > 0, got alpha={alpha}")
+    length = num_response_tokens.to(torch.float64)
+    lam = 1.0 - 1.0 / (alpha * length.clamp(min=1e-12))
+    return lam.clamp(0.0, 1.0)
+
+
+def reverse_discounted_cumsum(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """y_t = x_t + coef * y_{t+1} along the last dim, with y past the end = 0.
+
+    x: [B, T] float; coef: [B] in [0, 1] (one coefficient per row). Returns [B, T].
+    """
+    batch, length = x.shape
+    coef = coef.to(x.dtype).reshape(batch)
+    if length == 0:
+        return x.clone()
+    chunk = min(CHUNK, length)
+    num_chunks = -(-length // chunk)
+    padded = num_chunks * chunk
+    if padded != length:
+        x = torch.nn.functional.pad(x, (0, padded - length))
+    # powers[b, t, k] = coef_b^(k - t) for k >= t, else 0: y_local = powers @ x_chunk.
+    offset = torch.arange(chunk, device=x.device)
+    exponent = (offset[None, :] - offset[:, None]).to(x.dtype)  # [C, C], k - t
+    upper = exponent >= 0
+    powers = torch.pow(coef[:, None, None], exponent.clamp(min=0)[None]) * upper[None]
+    x_chunks = x.view(batch, num_chunks, chunk)
+    if num_chunks == 1:
+        return torch.matmul(x_chunks, powers.transpose(1, 2)).view(batch, padded)[:, :length]
+    # Value at each chunk's first token: y0_i = (chunk i's own sum) + coef^C * y0_{i+1}.
+    own_first = torch.matmul(x_chunks, powers[:, 0, :, None]).squeeze(-1)  # [B, n]
+    first = reverse_discounted_cumsum(own_first, coef**chunk)
+    next_first = torch.nn.functional.pad(first[:, 1:], (0, 1))  # [B, n]
+    tail = torch.pow(coef[:, None], (chunk - offset).to(x.dtype)[None])  # [B, C]: coef^(C - t)
+    carried = next_first[:, :, None] * tail[:, None, :]  # [B, n, C]
+    local = torch.baddbmm(carried, x_chunks, powers.transpose(1, 2))
+    return local.reshape(batch, padded)[:, :length]
+
+
+def _is_one_run_per_row(mask: torch.Tensor) -> bool:
+    """True when every row of mask [B, T] holds its true entries as one contiguous run (or none)."""
+    starts = mask[:, 0].int() + (mask[:, 1:] & ~mask[:, :-1]).sum(1)
+    return bool((starts <= 1).all())
+
+
+def _gae_rows(rewards, values, mask, lam, gamma):
+    """GAE for rows [B, T] whose response tokens form one contiguous run per row (or none).
+
+    Deltas after the run are zeroed, so one scan over the whole row with the row's constant
+    coefficient gives the right advantages on the run; everything off the run is zeroed.
+    """
+    batch, length = rewards.shape
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    rewards, values = rewards.to(dtype), values.to(dtype)
+    off = ~mask
+    # delta_t = r_t + gamma * V_{t+1} - V_t, with V after each row's last response token = 0.
+    deltas = torch.sub(rewards, values)
+    deltas[:, :-1].add_(values[:, 1:], alpha=gamma)
+    count = mask.sum(1)
+    last = mask.to(torch.uint8).argmax(1) + count - 1
+    rows = ((count > 0) & (last < length - 1)).nonzero().squeeze(1)
+    deltas[rows, last[rows]] -= gamma * values[rows, last[rows] + 1]
+    deltas.masked_fill_(off, 0)
+    lam = torch.as_tensor(lam, dtype=dtype, device=rewards.device).expand(batch)
+    advantages = reverse_discounted_cumsum(deltas, gamma * lam).masked_fill_(off, 0)
+    returns = torch.add(advantages, values).masked_fill_(off, 0)
+    return advantages, returns
+
+
+def _gae_compacted(rewards, values, response_mask, row_of_token, num_rows, lam, gamma):
+    """GAE on flat [N] tokens of ``num_rows`` sequences by moving each sequence's response
+    tokens into one left-aligned row of a dense [num_rows, max_len] batch and back."""
+    token_index = response_mask.reshape(-1).nonzero().squeeze(1)  # [M]
+    rows = row_of_token[token_index]
+    lengths = torch.bincount(rows, minlength=num_rows)
+    width = int(lengths.max()) if token_index.numel() > 0 else 0
+    starts = torch.cumsum(lengths, 0) - lengths
+    dest = torch.arange(token_index.numel(), device=rows.device) + rows * width - starts[rows]
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    dense = torch.zeros(3, num_rows * width, dtype=dtype, device=rewards.device)
+    dense[0, dest] = rewards.reshape(-1)[token_index].to(dtype)
+    dense[1, dest] = values.reshape(-1)[token_index].to(dtype)
+    dense[2, dest] = 1
+    dense = dense.view(3, num_rows, width)
+    adv_dense, ret_dense = _gae_rows(dense[0], dense[1], dense[2].bool(), lam, gamma)
+    advantages = torch.zeros(response_mask.numel(), dtype=dtype, device=rewards.device)
+    returns = torch.zeros_like(advantages)
+    advantages[token_index] = adv_dense.reshape(-1)[dest]
+    returns[token_index] = ret_dense.reshape(-1)[dest]
+    return advantages, returns
+
+
+def _check_lambda(lam, num_rows: int):
+    if isinstance(lam, torch.Tensor):
+        if lam.shape != (num_rows,):
+            raise ValueError(
+                f"lam must be a float or one value per sequence [{num_rows}], got {tuple(lam.shape)}"
+            )
+        if ((lam < 0) | (lam > 1)).any():
+            raise ValueError(f"lam must lie in [0, 1], got min {lam.min()} max {lam.max()}")
+    elif not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must lie in [0, 1], got {lam}")
+
+
+def gae_padded(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    lam: torch.Tensor | float,
+    gamma: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE on a padded batch.
+
+    rewards, values, response_mask: [B, T] (the mask marks response tokens; prompt and
+    padding are 0, and may sit anywhere). lam: [B] per-sequence lambda or a float.
+    Returns (advantages [B, T], returns [B, T]) with returns = advantages + values on response
+    tokens and both 0 elsewhere. Float32 unless the inputs are float64.
+    """
+    if rewards.shape != values.shape or rewards.shape != response_mask.shape or rewards.dim() != 2:
+        raise ValueError(
+            f"rewards, values and response_mask must share one [B, T] shape, got "
+            f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}"
+        )
+    batch, length = rewards.shape
+    _check_lambda(lam, batch)
+    mask = response_mask.bool()
+    if _is_one_run_per_row(mask):
+        return _gae_rows(rewards, values, mask, lam, gamma)
+    # Several runs per row (e.g. multi-turn masks): left-align each row's tokens first.
+    row = torch.arange(batch, device=rewards.device).repeat_interleave(length)
+    adv, ret = _gae_compacted(rewards, values, mask, row, batch, lam, gamma)
+    return adv.view(batch, length), ret.view(batch, length)
+
+
+def gae_packed(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    lam: torch.Tensor | float,
+    gamma: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE on packed sequences.
+
+    rewards, values, response_mask: [N] flat tokens of S sequences laid end to end;
+    cu_seqlens: [S + 1] boundaries (0, ..., N); lam: [S] or a float.
+    Returns (advantages [N], returns [N]).
+    """
+    if rewards.dim() != 1 or rewards.shape != values.shape or rewards.shape != response_mask.shape:
+        raise ValueError(
+            f"packed rewards, values and response_mask must share one [N] shape, got "
+            f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}"
+        )
+    num_seqs = cu_seqlens.numel() - 1
+    if (
+        int(cu_seqlens[0]) != 0
+        or int(cu_seqlens[-1]) != rewards.numel()
+        or (cu_seqlens.diff() < 0).any()
+    ):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to the token count {rewards.numel()}, got {cu_seqlens.tolist()}"
+        )
+    _check_lambda(lam, num_seqs)
+    row = torch.repeat_interleave(torch.arange(num_seqs, device=rewards.device), cu_seqlens.diff())
+    return _gae_compacted(rewards, values, response_mask.bool(), row, num_seqs, lam, gamma)

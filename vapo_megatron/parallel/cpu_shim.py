@@ -1,0 +1,263 @@
+"""Run megatron-core 0.16.1 on CPU with the gloo backend.
+
+Megatron-core calls CUDA directly in about twenty places. ``apply_cpu_shim()`` makes each of
+them mean "the CPU" when no CUDA device is present, and does nothing on a GPU machine. The
+replacements, call by call (paths relative to ``megatron/core/``):
+
+Calls that can only raise without CUDA, patched process-wide:
+
+- ``torch.cuda.current_device()`` returns ``torch.device("cpu")``. Megatron passes it as the
+  ``device=`` of almost every allocation: ``tensor_parallel/layers.py`` (weights without
+  ``use_cpu_initialization``, all-gather buffers of the linear layers),
+  ``tensor_parallel/mappings.py`` (gather/scatter outputs), ``pipeline_parallel/
+  p2p_communication.py`` (receive buffers), ``distributed/param_and_grad_buffer.py``
+  (``_ParamAndGradBuffer.__init__``: the grad and param buffers of DDP),
+  ``utils.py`` (``GlobalMemoryBuffer.get_tensor``), ``models/common/embeddings/
+  rotary_pos_embedding.py`` (``RotaryEmbedding.forward``: ``inv_freq`` is moved there),
+  ``dist_checkpointing/strategies/state_dict_saver.py``
+  (``save_state_dict_async_finalize``: the failure flag broadcast after every save).
+- ``torch.cuda.synchronize()`` does nothing: ``pipeline_parallel/p2p_communication.py``
+  (``_communicate``, after batched ``isend``/``irecv`` with ``batch_p2p_sync``); gloo
+  requests are complete once waited on.
+- ``Tensor.cuda()`` returns the tensor itself: ``models/common/embeddings/rope_utils.py``
+  (``get_pos_emb_on_this_cp_rank``: the index of this rank's RoPE chunks under context
+  parallelism).
+
+Tensor factories with ``device="cuda"`` or ``pin_memory=True`` inside function bodies. Patching
+``torch.zeros`` and friends process-wide would slow every library down, so instead the
+Megatron modules below see, as their global name ``torch``, a view of torch whose
+``tensor``/``zeros``/``ones`` place "cuda" tensors on the CPU and do not pin (pinning needs an
+accelerator). Every other attribute is torch's own:
+
+- ``pipeline_parallel/schedules.py``: ``total_num_tokens`` in every schedule (PP=1 included).
+- ``transformer/utils.py``: ``get_default_causal_mask`` (the local attention's causal mask).
+- ``utils.py``: ``local_multi_tensor_l2_norm`` (grad norm without apex/TE).
+- ``optimizer/clip_grads.py``: ``get_grad_norm_fp32`` and ``clip_grad_by_total_norm_fp32``
+  (overflow buffers, norm of an empty grad list), ``count_zeros_fp32``.
+- ``optimizer/optimizer.py``: ``FP32Optimizer.__init__`` (``_scale``) and
+  ``MixedPrecisionOptimizer.__init__`` (``_scale_one``, ``_dummy_overflow_buf``; the
+  distributed optimizer is one).
+- ``models/common/embeddings/rope_utils.py``: ``get_pos_emb_on_this_cp_rank`` (pinned index).
+- ``tensor_parallel/random.py``: its ``torch.cuda`` is also a view, in which
+  ``get_rng_state``/``set_rng_state``/``manual_seed`` act on the CPU generator
+  (``CudaRNGStatesTracker.add``, ``model_parallel_cuda_manual_seed``).
+
+Random-number state (``tensor_parallel/random.py``). On CPU the "CUDA" generator Megatron
+tracks is the CPU default generator, which dropout and ``use_cpu_initialization`` draw from:
+
+- ``_get_cuda_rng_state`` returns ``torch.get_rng_state()``.
+- ``_set_cuda_rng_state`` calls ``torch.set_rng_state``. The original defers the set through
+  ``torch.cuda._lazy_call``, which never runs without CUDA: every ``fork()`` of the RNG
+  tracker queued one more closure and did not isolate the random stream.
+- The tracker warns "CPU RNG state changed within GPU RNG context" when a fork draws numbers;
+  here that change is the point of the fork, so the message is filtered out.
+
+CUDA type names. Megatron sorts parameters by ``tensor.type()`` compared with
+``'torch.cuda.FloatTensor'`` and friends (else ``TypeError: Wrapped parameters must be one of
+torch.cuda.FloatTensor...``). While the functions below run, CPU tensors answer ``.type()``
+with the CUDA name (a thread-local ``TorchFunctionMode``, active only inside them):
+``optimizer/distrib_optimizer.py`` (``DistributedOptimizer.__init__`` and the
+``_build_model_and_main_param_groups`` it calls) and ``optimizer/clip_grads.py``
+(``clip_grad_by_total_norm_fp32``, also bound by name in ``optimizer/optimizer.py``).
+
+Left alone on purpose: ``torch.cuda.empty_cache`` is already a no-op without CUDA; NVTX
+ranges only run after ``megatron.core.utils.configure_nvtx_profiling(True)``; CUDA streams
+are used only with several distributed-optimizer instances or CUDA graphs; the remaining
+``device="cuda"`` sites serve fp16 loss scaling, MoE, inference, FSDP, NCCL user buffers,
+optimizer/buffer offloading and cached checkpoint plans, none of which this project runs on
+CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from vapo_megatron.parallel.groups import ParallelGroups
+
+_applied = False
+
+
+def apply_cpu_shim() -> bool:
+    """Make megatron-core run on CPU; return whether the shim is active.
+
+    Returns ``False`` and changes nothing when CUDA is available. Safe to call repeatedly.
+    """
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if not _applied:
+        _patch_torch_cuda()
+        _patch_megatron()
+        _applied = True
+    return True
+
+
+def initialize_megatron_cpu(
+    tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None, seed: int = 1234
+) -> ParallelGroups:
+    """Set up megatron-core's parallel state on CPU for this rank and return its groups.
+
+    Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` to start the gloo process
+    group (once per process), applies the shim, initialises ``parallel_state`` with the given
+    tensor/pipeline/context/virtual-pipeline sizes (data parallelism takes the remaining
+    ranks) and seeds Megatron's RNG tracker. Calling it again switches to the new layout and
+    keeps the process group, so one launch can compare several layouts.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    apply_cpu_shim()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ParallelGroups.from_parallel_state()
+
+
+def destroy() -> None:
+    """Tear down ``parallel_state`` and the process group (end every worker with it)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _stay_on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+def _patch_torch_cuda() -> None:
+    torch.cuda.current_device = _cpu_device
+    torch.cuda.synchronize = _no_op
+    torch.Tensor.cuda = _stay_on_cpu
+
+
+def _cpu_factory(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``factory`` with ``device="cuda"`` mapped to the CPU and ``pin_memory`` dropped."""
+
+    @functools.wraps(factory)
+    def make(*args: Any, device: Any = None, pin_memory: bool = False, **kwargs: Any):
+        if device is not None and str(device).startswith("cuda"):
+            device = "cpu"
+        return factory(*args, device=device, **kwargs)
+
+    return make
+
+
+class _View(types.ModuleType):
+    """A module that forwards every attribute it does not define to ``target``."""
+
+    def __init__(self, target: types.ModuleType, **overrides: Any) -> None:
+        super().__init__(target.__name__)
+        self._target = target
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+def _cpu_torch_view() -> _View:
+    """``torch`` as seen by the Megatron modules that hard-code CUDA tensors."""
+    cuda = _View(
+        torch.cuda,
+        get_rng_state=torch.get_rng_state,
+        set_rng_state=torch.set_rng_state,
+        manual_seed=torch.manual_seed,
+    )
+    return _View(
+        torch,
+        cuda=cuda,
+        tensor=_cpu_factory(torch.tensor),
+        zeros=_cpu_factory(torch.zeros),
+        ones=_cpu_factory(torch.ones),
+    )
+
+
+def _get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    """CPU stand-in for ``tensor_parallel.random._get_cuda_rng_state`` (always a copy)."""
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    """CPU stand-in for ``tensor_parallel.random._set_cuda_rng_state``: set it now."""
+    torch.set_rng_state(new_state)
+
+
+class _CudaTypeNames(TorchFunctionMode):
+    """CPU tensors answer ``.type()`` with the CUDA type name Megatron compares against."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return result.replace("torch.", "torch.cuda.", 1)
+        return result
+
+
+def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with _CudaTypeNames():
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+class _DropForkWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _patch_megatron() -> None:
+    from megatron.core import utils as core_utils
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random
+    from megatron.core.transformer import utils as transformer_utils
+
+    view = _cpu_torch_view()
+    for module in (
+        schedules,
+        transformer_utils,
+        core_utils,
+        clip_grads,
+        optimizer,
+        rope_utils,
+        random,
+    ):
+        module.torch = view
+
+    random._get_cuda_rng_state = _get_rng_state
+    random._set_cuda_rng_state = _set_rng_state
+    logging.getLogger(random.__name__).addFilter(_DropForkWarning())
+
+    clip_by_norm = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_by_norm
+    optimizer.clip_grad_by_total_norm_fp32 = clip_by_norm
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    dist_opt.__init__ = _with_cuda_type_names(dist_opt.__init__)

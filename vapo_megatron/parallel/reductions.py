@@ -1,0 +1,71 @@
+"""Global loss normalisers and metric sums across data- and context-parallel ranks.
+
+Token-level losses are sums over the whole step's batch divided by its token count. Each rank
+counts its own tokens over all of its micro-batches, and one all-reduce over the data x context
+parallel group gives the global counts *before* any backward pass; every micro-batch's loss is
+then its sum divided by those counts, so the accumulated gradient, summed over ranks, is the
+single-device gradient of the global batch (however the batch was split).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LossNormalisers:
+    """Global counts of one step's batch (float64 scalars)."""
+
+    num_tokens: torch.Tensor
+    """Response tokens (the token-mean normaliser)."""
+    num_seqs: torch.Tensor
+    """Sequences (the sample-level normaliser)."""
+    num_positive_tokens: torch.Tensor
+    """Response tokens of correct responses (the positive-example NLL normaliser)."""
+
+
+def global_loss_normalisers(
+    response_masks: Sequence[torch.Tensor],
+    positive_masks: Sequence[torch.Tensor],
+    num_seqs: int,
+    *,
+    dp_cp_group: dist.ProcessGroup | None,
+    cp_size: int,
+) -> LossNormalisers:
+    """Count this rank's tokens over all its micro-batches and sum over ``dp_cp_group``.
+
+    response_masks[i], positive_masks[i]: micro-batch i's masks (any shape, same per i).
+    num_seqs: sequences this rank's data-parallel replica trains on. Every context-parallel
+    rank of a replica holds a shard of the same sequences, so the sum over the group counts
+    each sequence cp_size times and is divided by cp_size.
+    """
+    if len(response_masks) != len(positive_masks):
+        raise ValueError(
+            f"got {len(response_masks)} response masks but {len(positive_masks)} positive masks"
+        )
+    counts = torch.zeros(3, dtype=torch.float64)
+    for mask, positive in zip(response_masks, positive_masks, strict=True):
+        counts[0] += mask.sum()
+        counts[2] += (mask.bool() & positive.bool()).sum()
+    counts[1] = num_seqs
+    if dp_cp_group is not None and dist.get_world_size(dp_cp_group) > 1:
+        dist.all_reduce(counts, group=dp_cp_group)
+    counts[1] /= cp_size
+    return LossNormalisers(num_tokens=counts[0], num_seqs=counts[1], num_positive_tokens=counts[2])
+
+
+def sum_metrics(
+    metrics: dict[str, torch.Tensor], group: dist.ProcessGroup | None
+) -> dict[str, float]:
+    """Sum each metric (a share of a global mean) over ``group``; one all-reduce for all."""
+    names = sorted(metrics)
+    if not names:
+        return {}
+    stacked = torch.stack([metrics[n].detach().to(torch.float64).reshape(()) for n in names])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(stacked, group=group)
+    return dict(zip(names, stacked.tolist(), strict=True))
