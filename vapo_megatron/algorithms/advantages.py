@@ -36,8 +36,8 @@ def decoupled_gae_padded(
     Returns (advantages [B, T], returns [B, T], lambda_policy [B]).
     """
     lam_policy, lam_critic = gae_lambdas(cfg, response_mask.sum(1))
-    advantages, _ = gae_padded(rewards, values, response_mask, lam_policy.float(), cfg.gamma)
-    _, returns = gae_padded(rewards, values, response_mask, lam_critic.float(), cfg.gamma)
+    advantages, _ = gae_padded(rewards, values, response_mask, lam_policy, cfg.gamma)
+    _, returns = gae_padded(rewards, values, response_mask, lam_critic, cfg.gamma)
     return advantages, returns, lam_policy
 
 
@@ -52,10 +52,6 @@ def decoupled_gae_packed(
     seq_of_token = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1), cu_seqlens.diff())
     lengths = torch.bincount(seq_of_token[response_mask.bool()], minlength=cu_seqlens.numel() - 1)
     lam_policy, lam_critic = gae_lambdas(cfg, lengths)
-    advantages, _ = gae_packed(
-        rewards, values, response_mask, cu_seqlens, lam_policy.float(), cfg.gamma
-    )
-    _, returns = gae_packed(
-        rewards, values, response_mask, cu_seqlens, lam_critic.float(), cfg.gamma
-    )
+    advantages, _ = gae_packed(rewards, values, response_mask, cu_seqlens, lam_policy, cfg.gamma)
+    _, returns = gae_packed(rewards, values, response_mask, cu_seqlens, lam_critic, cfg.gamma)
     return advantages, returns, lam_policy
