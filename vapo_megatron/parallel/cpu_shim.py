@@ -1,71 +1,80 @@
 """Run megatron-core 0.16.1 on CPU with the gloo backend.
 
 Megatron-core calls CUDA directly in about twenty places. ``apply_cpu_shim()`` makes each of
-them mean "the CPU" when no CUDA device is present, and does nothing on a GPU machine. The
-replacements, call by call (paths relative to ``megatron/core/``):
+them mean "the CPU" when no CUDA device is present, and does nothing on a GPU machine. Every
+replacement below is exercised by ``tests/distributed/test_cpu_shim.py``. Call sites, by file
+under ``megatron/core/`` and function:
 
-Calls that can only raise without CUDA, patched process-wide:
+1. Process-wide patches, only of calls that cannot succeed without CUDA (they raise), so code
+   that worked before behaves the same:
 
-- ``torch.cuda.current_device()`` returns ``torch.device("cpu")``. Megatron passes it as the
-  ``device=`` of almost every allocation: ``tensor_parallel/layers.py`` (weights without
-  ``use_cpu_initialization``, all-gather buffers of the linear layers),
-  ``tensor_parallel/mappings.py`` (gather/scatter outputs), ``pipeline_parallel/
-  p2p_communication.py`` (receive buffers), ``distributed/param_and_grad_buffer.py``
-  (``_ParamAndGradBuffer.__init__``: the grad and param buffers of DDP),
-  ``utils.py`` (``GlobalMemoryBuffer.get_tensor``), ``models/common/embeddings/
-  rotary_pos_embedding.py`` (``RotaryEmbedding.forward``: ``inv_freq`` is moved there),
-  ``dist_checkpointing/strategies/state_dict_saver.py``
-  (``save_state_dict_async_finalize``: the failure flag broadcast after every save).
-- ``torch.cuda.synchronize()`` does nothing: ``pipeline_parallel/p2p_communication.py``
-  (``_communicate``, after batched ``isend``/``irecv`` with ``batch_p2p_sync``); gloo
-  requests are complete once waited on.
-- ``Tensor.cuda()`` returns the tensor itself: ``models/common/embeddings/rope_utils.py``
-  (``get_pos_emb_on_this_cp_rank``: the index of this rank's RoPE chunks under context
-  parallelism).
+   - ``torch.cuda.current_device()`` returns ``torch.device("cpu")``; Megatron passes it as
+     ``device=``: ``distributed/param_and_grad_buffer.py`` ``_ParamAndGradBuffer.__init__``
+     (DDP grad and param buffers), ``pipeline_parallel/p2p_communication.py``
+     ``create_tensor_recv_prev``/``_next`` (receive buffers), ``utils.py``
+     ``GlobalMemoryBuffer.get_tensor``, ``models/common/embeddings/rotary_pos_embedding.py``
+     ``RotaryEmbedding.get_emb`` (moves ``inv_freq``), ``dist_checkpointing/strategies/
+     state_dict_saver.py`` ``save_state_dict_async_finalize`` (failure flag after a save);
+     also the weights and all-gather buffers of ``tensor_parallel/layers.py`` and
+     ``mappings.py`` without ``use_cpu_initialization`` or with sequence parallelism.
+   - ``torch.cuda.synchronize()`` does nothing: ``pipeline_parallel/p2p_communication.py``
+     ``_communicate`` (after batched isend/irecv, ``batch_p2p_sync``) and
+     ``dist_checkpointing/strategies/filesystem_async.py`` ``preload_tensors`` (every save).
+     Gloo work is complete once its request is waited on.
+   - ``Tensor.cuda()`` returns the tensor: ``models/common/language_module/
+     language_module.py`` ``setup_embeddings_and_output_layer`` (tied embeddings under PP:
+     the last stage's copy before its all-reduce) and ``models/common/embeddings/
+     rope_utils.py`` ``get_pos_emb_on_this_cp_rank`` (RoPE chunk index under CP).
 
-Tensor factories with ``device="cuda"`` or ``pin_memory=True`` inside function bodies. Patching
-``torch.zeros`` and friends process-wide would slow every library down, so instead the
-Megatron modules below see, as their global name ``torch``, a view of torch whose
-``tensor``/``zeros``/``ones`` place "cuda" tensors on the CPU and do not pin (pinning needs an
-accelerator). Every other attribute is torch's own:
+2. ``device="cuda"`` and ``pin_memory=True`` in tensor factories. Wrapping ``torch.zeros``
+   and friends process-wide would tax every library, so these Megatron modules get, as their
+   global ``torch``, a view of torch whose ``tensor``/``zeros``/``ones`` put "cuda" tensors on
+   the CPU and skip pinning (it needs an accelerator); every other attribute is torch's own:
 
-- ``pipeline_parallel/schedules.py``: ``total_num_tokens`` in every schedule (PP=1 included).
-- ``transformer/utils.py``: ``get_default_causal_mask`` (the local attention's causal mask).
-- ``utils.py``: ``local_multi_tensor_l2_norm`` (grad norm without apex/TE).
-- ``optimizer/clip_grads.py``: ``get_grad_norm_fp32`` and ``clip_grad_by_total_norm_fp32``
-  (overflow buffers, norm of an empty grad list), ``count_zeros_fp32``.
-- ``optimizer/optimizer.py``: ``FP32Optimizer.__init__`` (``_scale``) and
-  ``MixedPrecisionOptimizer.__init__`` (``_scale_one``, ``_dummy_overflow_buf``; the
-  distributed optimizer is one).
-- ``models/common/embeddings/rope_utils.py``: ``get_pos_emb_on_this_cp_rank`` (pinned index).
-- ``tensor_parallel/random.py``: its ``torch.cuda`` is also a view, in which
-  ``get_rng_state``/``set_rng_state``/``manual_seed`` act on the CPU generator
-  (``CudaRNGStatesTracker.add``, ``model_parallel_cuda_manual_seed``).
+   - ``pipeline_parallel/schedules.py``: ``total_num_tokens`` in
+     ``forward_backward_no_pipelining``, ``forward_backward_pipelining_without_interleaving``
+     and ``forward_backward_pipelining_with_interleaving``.
+   - ``transformer/utils.py`` ``get_default_causal_mask`` (local attention without a mask).
+   - ``utils.py`` ``local_multi_tensor_l2_norm`` (grad norm without apex or TE).
+   - ``optimizer/clip_grads.py`` ``get_grad_norm_fp32``, ``clip_grad_by_total_norm_fp32``.
+   - ``optimizer/optimizer.py`` ``MixedPrecisionOptimizer.__init__`` (``_dummy_overflow_buf``,
+     ``_scale_one``; bf16 and the distributed optimizer) and ``FP32Optimizer.__init__``.
+   - ``models/common/embeddings/rope_utils.py`` ``get_pos_emb_on_this_cp_rank`` (pinning).
+   - ``tensor_parallel/random.py``, whose ``torch.cuda`` is a view as well:
+     ``get_rng_state`` and ``manual_seed`` act on the CPU generator
+     (``CudaRNGStatesTracker.add``, ``model_parallel_cuda_manual_seed``).
 
-Random-number state (``tensor_parallel/random.py``). On CPU the "CUDA" generator Megatron
-tracks is the CPU default generator, which dropout and ``use_cpu_initialization`` draw from:
+3. Random-number state, ``tensor_parallel/random.py``. The "CUDA" generator Megatron tracks
+   becomes the CPU default generator, the one dropout and ``use_cpu_initialization`` draw from:
 
-- ``_get_cuda_rng_state`` returns ``torch.get_rng_state()``.
-- ``_set_cuda_rng_state`` calls ``torch.set_rng_state``. The original defers the set through
-  ``torch.cuda._lazy_call``, which never runs without CUDA: every ``fork()`` of the RNG
-  tracker queued one more closure and did not isolate the random stream.
-- The tracker warns "CPU RNG state changed within GPU RNG context" when a fork draws numbers;
-  here that change is the point of the fork, so the message is filtered out.
+   - ``_get_cuda_rng_state`` returns ``torch.get_rng_state()``.
+   - ``_set_cuda_rng_state`` calls ``torch.set_rng_state`` now. The original defers the set
+     through ``torch.cuda._lazy_call``, which never runs without CUDA: each tracker
+     ``fork()`` queued two closures for good and did not isolate the stream, and
+     ``model_parallel_cuda_manual_seed`` left the generator at a TP-rank-dependent seed, so
+     TP=2 initialised differently from TP=1.
+   - ``CudaRNGStatesTracker.fork`` logs "CPU RNG state changed within GPU RNG context" when
+     the fork draws numbers. Here that change is the fork's purpose: the message is filtered.
 
-CUDA type names. Megatron sorts parameters by ``tensor.type()`` compared with
-``'torch.cuda.FloatTensor'`` and friends (else ``TypeError: Wrapped parameters must be one of
-torch.cuda.FloatTensor...``). While the functions below run, CPU tensors answer ``.type()``
-with the CUDA name (a thread-local ``TorchFunctionMode``, active only inside them):
-``optimizer/distrib_optimizer.py`` (``DistributedOptimizer.__init__`` and the
-``_build_model_and_main_param_groups`` it calls) and ``optimizer/clip_grads.py``
-(``clip_grad_by_total_norm_fp32``, also bound by name in ``optimizer/optimizer.py``).
+4. CUDA type names. Megatron sorts parameters by ``tensor.type()`` compared with
+   ``'torch.cuda.FloatTensor'`` and friends (else ``TypeError: Wrapped parameters must be one
+   of torch.cuda.FloatTensor...``). While these run, CPU tensors answer ``.type()`` with the
+   CUDA name, through a ``TorchFunctionMode`` entered for the call only:
+   ``optimizer/distrib_optimizer.py`` ``DistributedOptimizer.__init__`` (and the
+   ``_build_model_and_main_param_groups`` it calls), ``optimizer/optimizer.py``
+   ``Float16OptimizerWithFloat16Params.__init__`` (bf16 without the distributed optimizer)
+   and ``optimizer/clip_grads.py`` ``clip_grad_by_total_norm_fp32`` (also bound by name in
+   ``optimizer/optimizer.py``).
 
-Left alone on purpose: ``torch.cuda.empty_cache`` is already a no-op without CUDA; NVTX
-ranges only run after ``megatron.core.utils.configure_nvtx_profiling(True)``; CUDA streams
-are used only with several distributed-optimizer instances or CUDA graphs; the remaining
-``device="cuda"`` sites serve fp16 loss scaling, MoE, inference, FSDP, NCCL user buffers,
-optimizer/buffer offloading and cached checkpoint plans, none of which this project runs on
-CPU.
+Not one process-wide ``TorchFunctionMode`` rewriting devices everywhere: a mode is
+thread-local (other threads escape it), taxes every torch call in the process (vLLM and
+transformers share it) and gets in the way of ``torch.compile``.
+
+Left alone on purpose: ``torch.cuda.empty_cache`` is already a no-op without CUDA; NVTX ranges
+only run after ``megatron.core.utils.configure_nvtx_profiling(True)``; CUDA streams only serve
+several distributed-optimizer instances and CUDA graphs; the remaining CUDA tensors belong to
+fp16 loss scaling, MoE, inference, FSDP, NCCL user buffers, offloading optimizer state or
+buffers, and cached checkpoint plans, none of which this project runs on CPU.
 """
 
 from __future__ import annotations
@@ -111,6 +120,7 @@ def initialize_megatron_cpu(
     ranks) and seeds Megatron's RNG tracker. Calling it again switches to the new layout and
     keeps the process group, so one launch can compare several layouts.
     """
+    # Megatron is imported on first use (it takes seconds), as in ``groups.py``.
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
@@ -142,7 +152,7 @@ def _cpu_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _no_op(*args: Any, **kwargs: Any) -> None:
+def _nothing_to_synchronize(*args: Any, **kwargs: Any) -> None:
     return None
 
 
@@ -152,7 +162,7 @@ def _stay_on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 def _patch_torch_cuda() -> None:
     torch.cuda.current_device = _cpu_device
-    torch.cuda.synchronize = _no_op
+    torch.cuda.synchronize = _nothing_to_synchronize
     torch.Tensor.cuda = _stay_on_cpu
 
 
@@ -160,7 +170,9 @@ def _cpu_factory(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     """``factory`` with ``device="cuda"`` mapped to the CPU and ``pin_memory`` dropped."""
 
     @functools.wraps(factory)
-    def make(*args: Any, device: Any = None, pin_memory: bool = False, **kwargs: Any):
+    def make(
+        *args: Any, device: Any = None, pin_memory: bool = False, **kwargs: Any
+    ) -> torch.Tensor:
         if device is not None and str(device).startswith("cuda"):
             device = "cpu"
         return factory(*args, device=device, **kwargs)
@@ -185,7 +197,6 @@ def _cpu_torch_view() -> _View:
     cuda = _View(
         torch.cuda,
         get_rng_state=torch.get_rng_state,
-        set_rng_state=torch.set_rng_state,
         manual_seed=torch.manual_seed,
     )
     return _View(
@@ -197,7 +208,9 @@ def _cpu_torch_view() -> _View:
     )
 
 
-def _get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+def _get_rng_state(
+    device: Any = "cuda", clone: bool = False, graph_safe: bool = False
+) -> torch.Tensor:
     """CPU stand-in for ``tensor_parallel.random._get_cuda_rng_state`` (always a copy)."""
     return torch.get_rng_state()
 
@@ -210,7 +223,13 @@ def _set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool =
 class _CudaTypeNames(TorchFunctionMode):
     """CPU tensors answer ``.type()`` with the CUDA type name Megatron compares against."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -259,5 +278,8 @@ def _patch_megatron() -> None:
     clip_by_norm = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = clip_by_norm
     optimizer.clip_grad_by_total_norm_fp32 = clip_by_norm
-    dist_opt = distrib_optimizer.DistributedOptimizer
-    dist_opt.__init__ = _with_cuda_type_names(dist_opt.__init__)
+    for cls in (
+        distrib_optimizer.DistributedOptimizer,
+        optimizer.Float16OptimizerWithFloat16Params,
+    ):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
