@@ -1,0 +1,229 @@
+"""HF ``config.json`` -> megatron-core ``TransformerConfig`` and ``GPTModel`` arguments.
+
+``HFModelConfig.from_hf(config_dict)`` reads the facts a Megatron model needs from a Hugging
+Face config (Qwen2/Qwen2.5 and Llama 3 families) and rejects anything the Megatron model would
+compute differently. Both config dialects are read: transformers 4.x (``rope_theta`` and
+``rope_scaling`` at the top level, ``torch_dtype``) and 5.x (``rope_parameters``, ``dtype``).
+
+Decisions:
+
+- Llama 3 RoPE scaling (``rope_type: "llama3"``) is supported exactly when
+  ``low_freq_factor == 1``, ``high_freq_factor == 4`` and
+  ``original_max_position_embeddings == 8192`` (every published Llama 3.1/3.2/3.3): those are
+  hard-coded in megatron-core's ``RotaryEmbedding._apply_scaling``, which otherwise matches
+  transformers' ``_compute_llama3_parameters`` line by line; only ``factor`` is a parameter
+  (``GPTModel(rope_scaling=True, rope_scaling_factor=factor)``). Other values, and every
+  other RoPE type (linear, dynamic, yarn, longrope), raise.
+- Llama ``attention_bias`` / ``mlp_bias`` and Qwen2 ``use_sliding_window`` raise when true: no
+  published Llama 3 or Qwen2.5 checkpoint sets them.
+- The checkpoint dtype is reported (``dtype``) but not turned into Megatron arguments: the
+  training precision is the trainer's choice; an exporter casts back to ``dtype``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+Family = Literal["qwen2", "llama"]
+Head = Literal["lm", "value"]
+"""The model's output: 'lm' (policy: logits over the vocabulary) or 'value' (critic: one scalar
+per token)."""
+
+# model_type -> HF architectures accepted for it; the first one is what an exported policy
+# declares, the second what an exported critic (a one-label sequence classifier) declares.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
+    "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
+}
+
+# Fixed inside megatron-core 0.16.1's RotaryEmbedding._apply_scaling.
+_MEGATRON_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFModelConfig:
+    """What the Megatron model and the HF<->Megatron record need from an HF config."""
+
+    family: Family
+    """Model family ('qwen2' covers Qwen2 and Qwen2.5)."""
+    num_layers: int
+    """Decoder layers (``num_hidden_layers``)."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """Key/value heads (query groups, GQA); equals num_attention_heads without GQA."""
+    head_dim: int
+    """Width of one attention head (``head_dim``, else hidden_size // num_attention_heads)."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP (gate and up projections each)."""
+    vocab_size: int
+    """Rows of the HF embedding and lm_head (before Megatron's padding)."""
+    max_position_embeddings: int
+    """Longest sequence the model was trained for."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm."""
+    rope_theta: float
+    """RoPE base."""
+    llama3_rope_factor: float | None
+    """``factor`` of Llama 3 RoPE scaling; None: plain RoPE."""
+    qkv_bias: bool
+    """Whether q/k/v projections have biases (Qwen2: yes; Llama 3: no)."""
+    tie_word_embeddings: bool
+    """Whether lm_head shares the embedding matrix."""
+    initializer_range: float
+    """Std of the normal init (used for Megatron's random init)."""
+    dtype: torch.dtype
+    """dtype of the checkpoint's tensors (``dtype`` or ``torch_dtype``; float32 when absent,
+    as transformers loads it)."""
+
+    @classmethod
+    def from_hf(cls, hf_config: Mapping[str, Any]) -> HFModelConfig:
+        """Read an HF ``config.json`` dict; ``ValueError`` for anything unsupported."""
+        model_type = hf_config.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        accepted = SUPPORTED_ARCHITECTURES[model_type]
+        for arch in hf_config.get("architectures") or ():
+            if arch not in accepted:
+                raise ValueError(
+                    f"architecture {arch!r} is not supported for model_type {model_type!r}; "
+                    f"supported: {list(accepted)}"
+                )
+        if hf_config.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"hidden_act {hf_config['hidden_act']!r} is not supported; need 'silu'"
+            )
+        if model_type == "qwen2":
+            _reject_true(hf_config, "use_sliding_window")
+        else:
+            _reject_true(hf_config, "attention_bias")
+            _reject_true(hf_config, "mlp_bias")
+
+        num_heads = _required(hf_config, "num_attention_heads")
+        hidden_size = _required(hf_config, "hidden_size")
+        rope_theta, llama3_factor = _read_rope(hf_config)
+        return cls(
+            family=model_type,
+            num_layers=_required(hf_config, "num_hidden_layers"),
+            hidden_size=hidden_size,
+            num_attention_heads=num_heads,
+            num_key_value_heads=hf_config.get("num_key_value_heads") or num_heads,
+            head_dim=hf_config.get("head_dim") or hidden_size // num_heads,
+            intermediate_size=_required(hf_config, "intermediate_size"),
+            vocab_size=_required(hf_config, "vocab_size"),
+            max_position_embeddings=_required(hf_config, "max_position_embeddings"),
+            rms_norm_eps=float(_required(hf_config, "rms_norm_eps")),
+            rope_theta=rope_theta,
+            llama3_rope_factor=llama3_factor,
+            qkv_bias=model_type == "qwen2",
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            initializer_range=float(hf_config.get("initializer_range", 0.02)),
+            dtype=_read_dtype(hf_config),
+        )
+
+    def hf_architecture(self, head: Head) -> str:
+        """The ``architectures`` entry of an exported checkpoint with this head."""
+        policy, critic = SUPPORTED_ARCHITECTURES[self.family]
+        return policy if head == "lm" else critic
+
+    def padded_vocab_size(self, tp_size: int, make_vocab_size_divisible_by: int = 128) -> int:
+        """Megatron's vocabulary: vocab_size rounded up to a multiple of divisible_by * tp_size."""
+        multiple = make_vocab_size_divisible_by * tp_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    def transformer_config_kwargs(self) -> dict[str, Any]:
+        """Architecture arguments of ``TransformerConfig`` (parallelism and precision excluded)."""
+        return {
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_query_groups": self.num_key_value_heads,
+            "kv_channels": self.head_dim,
+            "ffn_hidden_size": self.intermediate_size,
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": self.rms_norm_eps,
+            "gated_linear_unit": True,
+            "activation_func": F.silu,
+            "add_bias_linear": False,
+            "add_qkv_bias": self.qkv_bias,
+            "hidden_dropout": 0.0,
+            "attention_dropout": 0.0,
+            "init_method_std": self.initializer_range,
+        }
+
+    def gpt_model_kwargs(
+        self, tp_size: int, head: Head = "lm", make_vocab_size_divisible_by: int = 128
+    ) -> dict[str, Any]:
+        """``GPTModel`` arguments other than config, layer spec and pipeline placement.
+
+        A critic (head='value') never ties: its output layer becomes the value head.
+        """
+        kwargs: dict[str, Any] = {
+            "vocab_size": self.padded_vocab_size(tp_size, make_vocab_size_divisible_by),
+            "max_sequence_length": self.max_position_embeddings,
+            "position_embedding_type": "rope",
+            "rotary_percent": 1.0,
+            "rotary_base": self.rope_theta,
+            "share_embeddings_and_output_weights": self.tie_word_embeddings and head == "lm",
+        }
+        if self.llama3_rope_factor is not None:
+            kwargs.update(rope_scaling=True, rope_scaling_factor=self.llama3_rope_factor)
+        return kwargs
+
+
+def _required(hf_config: Mapping[str, Any], key: str) -> Any:
+    if key not in hf_config:
+        raise ValueError(f"HF config has no {key!r}")
+    return hf_config[key]
+
+
+def _reject_true(hf_config: Mapping[str, Any], key: str) -> None:
+    if hf_config.get(key):
+        raise ValueError(
+            f"{key}=true is not supported for model_type {hf_config['model_type']!r} "
+            "(the Megatron model would compute something else)"
+        )
+
+
+def _read_rope(hf_config: Mapping[str, Any]) -> tuple[float, float | None]:
+    """(rope_theta, llama3 factor or None) from either config dialect."""
+    params = dict(hf_config.get("rope_scaling") or {})  # transformers 4.x
+    params.update(hf_config.get("rope_parameters") or {})  # transformers 5.x
+    theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
+    if params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, llama3")
+    fixed = {key: params.get(key) for key in _MEGATRON_LLAMA3_ROPE}
+    if fixed != _MEGATRON_LLAMA3_ROPE:
+        raise ValueError(
+            f"llama3 RoPE scaling with {fixed} is not supported: megatron-core fixes "
+            f"{_MEGATRON_LLAMA3_ROPE} (only 'factor' may vary)"
+        )
+    return float(theta), float(params["factor"])
+
+
+def _read_dtype(hf_config: Mapping[str, Any]) -> torch.dtype:
+    name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; supported: {sorted(_DTYPES)}")
+    return _DTYPES[name]

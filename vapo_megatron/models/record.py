@@ -1,0 +1,454 @@
+"""The HF <-> Megatron record of a Qwen2/Qwen2.5 or Llama 3 model: names, shapes, TP splits.
+
+Both families share one layout; ``HFModelConfig`` holds what differs (QKV bias, RoPE). The
+record is the one place that knows how an HF tensor becomes Megatron shards and back;
+``tools/convert.py`` and the rollout weight stream both go through it.
+
+Names. Megatron names are those of megatron-core's ``GPTModel`` with the local layer spec, as
+one model chunk (a pipeline stage, or one virtual stage under interleaving) names them: layers
+are numbered locally, ``decoder.layers.{i}`` holding global layer ``chunk.layers[i]``
+(megatron's ``layer.layer_number - 1``). With ``ModelChunk.whole`` that is the TP=1 numbering.
+
+=========================================  =============================================  =========
+Megatron name                               HF name(s)                                     TP split
+=========================================  =============================================  =========
+embedding.word_embeddings.weight            model.embed_tokens.weight                      VOCAB
+decoder.layers.{i}.input_layernorm.weight   model.layers.{l}.input_layernorm.weight        REPLICATED
+decoder.layers.{i}.self_attention.          model.layers.{l}.self_attn.{q,k,v}_proj.weight QKV
+  linear_qkv.weight
+decoder.layers.{i}.self_attention.          model.layers.{l}.self_attn.{q,k,v}_proj.bias   QKV
+  linear_qkv.bias  (Qwen2 only)
+decoder.layers.{i}.self_attention.          model.layers.{l}.self_attn.o_proj.weight       ROW
+  linear_proj.weight
+decoder.layers.{i}.pre_mlp_layernorm.weight model.layers.{l}.post_attention_layernorm.     REPLICATED
+                                              weight
+decoder.layers.{i}.mlp.linear_fc1.weight    model.layers.{l}.mlp.{gate,up}_proj.weight     GATE_UP
+decoder.layers.{i}.mlp.linear_fc2.weight    model.layers.{l}.mlp.down_proj.weight          ROW
+decoder.final_layernorm.weight              model.norm.weight                              REPLICATED
+output_layer.weight        (policy)         lm_head.weight (untied) /                      VOCAB
+                                              model.embed_tokens.weight (tied, see below)
+output_layer.weight        (critic)         score.weight                                   REPLICATED
+=========================================  =============================================  =========
+
+Tied embeddings. With PP = 1 the model has no ``output_layer.weight`` (it reads the
+embedding). With PP > 1 the last stage keeps a copy that Megatron keeps equal to the embedding:
+HF -> Megatron fills it from ``model.embed_tokens.weight``; Megatron -> HF maps it to nothing
+(the first stage exports the embedding). A tied checkpoint must not carry ``lm_head.weight``.
+
+Critic. The trunk is the policy's; the output layer is a value head, ``output_layer.weight``
+of shape [1, hidden], no bias, replicated across TP (the model provider swaps GPTModel's
+vocab-parallel output layer for a plain linear of that shape). Exported, it is ``score.weight``
+of ``{Qwen2,Llama}ForSequenceClassification`` with num_labels = 1: the layout of a reward
+model, so a reward model's checkpoint seeds the critic directly.
+
+TP. Megatron-core requires TP to divide num_attention_heads and ffn, and num_key_value_heads
+to be a multiple or a divisor of TP. When TP > num_key_value_heads, the fused QKV tensor is
+still split into equal row chunks, so one query group's [q; k; v] block spans TP /
+num_key_value_heads ranks; megatron's attention all-gathers it and each rank keeps its heads.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from vapo_megatron.models.config import Head, HFModelConfig
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
+
+class Split(enum.Enum):
+    """How a Megatron tensor is laid out over the ranks of a TP group."""
+
+    REPLICATED = "replicated"
+    """Every rank holds the whole tensor (norms, the value head)."""
+    ROW = "row"
+    """Row-parallel linear: dim 1 (the input features) in TP equal chunks."""
+    VOCAB = "vocab"
+    """Vocab-parallel: zero rows pad dim 0 to the padded vocabulary, then TP equal chunks."""
+    QKV = "qkv"
+    """q, k, v fused per query group g as [q heads of g; k_g; v_g], then TP equal row chunks."""
+    GATE_UP = "gate_up"
+    """SwiGLU fc1: rank r holds [gate_r; up_r], gate and up each in TP equal row chunks."""
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One Megatron tensor of a model chunk and the HF tensors it is made of."""
+
+    megatron_name: str
+    """Name in the chunk's state dict (local layer numbering)."""
+    hf_names: tuple[str, ...]
+    """HF tensors, in fusion order: (q, k, v), (gate, up), or a single one."""
+    split: Split
+    """Layout over the TP ranks."""
+    tied_copy: bool = False
+    """The last stage's copy of a tied embedding (PP > 1): Megatron -> HF maps it to nothing."""
+
+
+@dataclass(frozen=True)
+class ModelChunk:
+    """The part of the model one pipeline stage (or one virtual stage) holds."""
+
+    layers: range
+    """Global (0-based) indices of its decoder layers; local layer i is global layers[i]."""
+    has_embedding: bool
+    """Holds the word embedding (first stage)."""
+    has_output: bool
+    """Holds the final norm and the output layer (last stage)."""
+
+    @classmethod
+    def whole(cls, num_layers: int) -> ModelChunk:
+        """The whole model (no pipeline parallelism)."""
+        return cls(layers=range(num_layers), has_embedding=True, has_output=True)
+
+    @classmethod
+    def for_stage(
+        cls, config: TransformerConfig, pp_rank: int, vp_stage: int | None = None
+    ) -> ModelChunk:
+        """The chunk GPTModel builds at this pipeline rank and virtual stage.
+
+        Delegates to megatron-core's own layer placement, so uneven pipelines
+        (``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``,
+        ``account_for_embedding/loss_in_pipeline_split``) and interleaving are covered.
+        """
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        if config.pipeline_model_parallel_layout is not None:
+            raise ValueError(
+                "pipeline_model_parallel_layout is not supported; use "
+                "num_layers_in_first/last_pipeline_stage for an uneven split"
+            )
+        pp_size = config.pipeline_model_parallel_size
+        vp_size = config.virtual_pipeline_model_parallel_size
+        custom_split = (
+            config.num_layers_in_first_pipeline_stage is not None
+            or config.num_layers_in_last_pipeline_stage is not None
+            or config.account_for_embedding_in_pipeline_split
+            or config.account_for_loss_in_pipeline_split
+        )
+        if not custom_split and config.num_layers % (pp_size * (vp_size or 1)) != 0:
+            raise ValueError(
+                f"num_layers={config.num_layers} does not split evenly over PP={pp_size} x "
+                f"VPP={vp_size or 1}; choose sizes that divide it or set "
+                "num_layers_in_first/last_pipeline_stage for an uneven split"
+            )
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        first_virtual = vp_stage is None or vp_stage == 0
+        last_virtual = vp_stage is None or vp_stage == (vp_size or 1) - 1
+        return cls(
+            layers=range(offset, offset + count),
+            has_embedding=pp_rank == 0 and first_virtual,
+            has_output=pp_rank == pp_size - 1 and last_virtual,
+        )
+
+
+# Per decoder layer: (Megatron suffix, HF suffixes, split). The QKV bias is added for Qwen2.
+_LAYER_MAPS: tuple[tuple[str, tuple[str, ...], Split], ...] = (
+    ("input_layernorm.weight", ("input_layernorm.weight",), Split.REPLICATED),
+    (
+        "self_attention.linear_qkv.weight",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        Split.QKV,
+    ),
+    ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), Split.ROW),
+    ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), Split.REPLICATED),
+    ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), Split.GATE_UP),
+    ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), Split.ROW),
+)
+_QKV_BIAS_MAP = (
+    "self_attention.linear_qkv.bias",
+    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    Split.QKV,
+)
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """HF <-> Megatron mapping of one model (policy or critic)."""
+
+    config: HFModelConfig
+    """The model's architecture."""
+    head: Head = "lm"
+    """'lm': policy with lm_head; 'value': critic with a value head (``score.weight``)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this times TP."""
+
+    # ----- names -----
+
+    def tensor_maps(self, chunk: ModelChunk) -> dict[str, TensorMap]:
+        """Every Megatron tensor of ``chunk`` (by local name, in state-dict order)."""
+        return _tensor_maps(self, chunk)
+
+    def hf_names(self, chunk: ModelChunk) -> list[str]:
+        """The HF tensors ``hf_to_megatron_shards`` needs for ``chunk``."""
+        return [name for m in self.tensor_maps(chunk).values() for name in m.hf_names]
+
+    def hf_shape(self, hf_name: str) -> tuple[int, ...]:
+        """Shape of an HF tensor of this model; ValueError for a name it does not have."""
+        layer = _HF_LAYER.fullmatch(hf_name)
+        shape = _hf_shapes(self).get(f"model.layers.*.{layer[2]}" if layer else hf_name)
+        if shape is None or (layer is not None and int(layer[1]) >= self.config.num_layers):
+            raise ValueError(
+                f"unknown HF tensor {hf_name!r} for a {self.config.family} model with "
+                f"{self.config.num_layers} layers, head={self.head!r}, "
+                f"tie_word_embeddings={self.config.tie_word_embeddings}"
+            )
+        return shape
+
+    # ----- HF -> Megatron -----
+
+    def hf_to_megatron_shards(
+        self,
+        hf_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        tp_rank: int,
+        tp_size: int,
+        chunk: ModelChunk,
+    ) -> dict[str, torch.Tensor]:
+        """The state dict of one (TP rank, model chunk), from HF-named tensors.
+
+        ``hf_tensors`` may be a dict or a stream of (name, tensor) pairs (e.g. read lazily from
+        safetensors files); tensors of other stages are passed over, and each fused group is
+        converted as soon as its last member arrives, so a converter holds at most one layer's
+        partial group besides the result. Every returned tensor owns its storage. ValueError
+        for an unknown name, a duplicate, a wrong shape or a missing tensor.
+        """
+        self._check_parallel(tp_rank, tp_size, chunk)
+        maps = self.tensor_maps(chunk)
+        wanted = {hf_name: m for m in maps.values() for hf_name in m.hf_names}
+        items = hf_tensors.items() if isinstance(hf_tensors, Mapping) else hf_tensors
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        shards: dict[str, torch.Tensor] = {}
+        seen: set[str] = set()
+        for hf_name, tensor in items:
+            expected = self.hf_shape(hf_name)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"HF tensor {hf_name!r}: expected shape {expected}, got {tuple(tensor.shape)}"
+                )
+            if hf_name in seen:
+                raise ValueError(f"HF tensor {hf_name!r} given twice")
+            seen.add(hf_name)
+            if hf_name not in wanted:
+                continue  # another pipeline stage's tensor
+            m = wanted[hf_name]
+            parts = pending.setdefault(m.megatron_name, {})
+            parts[hf_name] = tensor
+            if len(parts) == len(m.hf_names):
+                del pending[m.megatron_name]
+                parts_in_order = [parts[name] for name in m.hf_names]
+                shards[m.megatron_name] = self._to_shard(m, parts_in_order, tp_rank, tp_size)
+        missing = [name for name in wanted if name not in seen]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} HF tensor(s) missing for layers {chunk.layers} "
+                f"(embedding={chunk.has_embedding}, output={chunk.has_output}): {missing[:8]}"
+            )
+        return {name: shards[name] for name in maps}
+
+    def _to_shard(
+        self, m: TensorMap, parts: list[torch.Tensor], tp_rank: int, tp_size: int
+    ) -> torch.Tensor:
+        if m.split is Split.REPLICATED:
+            return parts[0]
+        if m.split is Split.ROW:
+            return _piece(parts[0], 1, tp_rank, tp_size)
+        if m.split is Split.VOCAB:
+            # Zero rows pad the vocabulary; padded logits are masked by the log-prob code.
+            full = parts[0]
+            rows = self._padded_vocab(tp_size) // tp_size
+            shard = full.new_zeros(rows, *full.shape[1:])
+            real = full[tp_rank * rows : (tp_rank + 1) * rows]
+            shard[: real.shape[0]] = real
+            return shard
+        if m.split is Split.QKV:
+            groups = self.config.num_key_value_heads
+            per_group = [part.reshape(groups, -1, *part.shape[1:]) for part in parts]
+            fused = torch.cat(per_group, dim=1).reshape(-1, *parts[0].shape[1:])
+            return _piece(fused, 0, tp_rank, tp_size)
+        gate, up = parts  # Split.GATE_UP
+        return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
+
+    # ----- Megatron -> HF -----
+
+    def megatron_to_hf(
+        self, megatron_name: str, tp_shards: Sequence[torch.Tensor], chunk: ModelChunk
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The full HF tensor(s) of one Megatron tensor, from its shards on every TP rank.
+
+        ``megatron_name`` is local to ``chunk``; ``tp_shards[r]`` is TP rank r's shard. Fused
+        QKV comes back as q, k, v; fc1 as gate, up; vocabulary padding is dropped. The tied
+        embedding copy of the last stage gives ``[]``. Every returned tensor owns its storage.
+        """
+        tp_size = len(tp_shards)
+        self._check_parallel(0, tp_size, chunk)
+        m = self.tensor_maps(chunk).get(megatron_name)
+        if m is None:
+            raise ValueError(
+                f"unknown Megatron tensor {megatron_name!r} for layers {chunk.layers} "
+                f"(embedding={chunk.has_embedding}, output={chunk.has_output}) of a "
+                f"{self.config.family} model, head={self.head!r}"
+            )
+        expected = self._shard_shape(m, tp_size)
+        for rank, shard in enumerate(tp_shards):
+            if tuple(shard.shape) != expected:
+                raise ValueError(
+                    f"Megatron tensor {megatron_name!r} on TP rank {rank}: expected shape "
+                    f"{expected}, got {tuple(shard.shape)}"
+                )
+        if m.tied_copy:
+            return []
+        return list(zip(m.hf_names, self._from_shards(m, tp_shards), strict=True))
+
+    def _from_shards(self, m: TensorMap, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if m.split is Split.REPLICATED:
+            return [shards[0]]
+        if m.split is Split.ROW:
+            return [torch.cat(list(shards), dim=1)]
+        if m.split is Split.VOCAB:
+            vocab, rows = self.config.vocab_size, shards[0].shape[0]
+            real = [shard[: max(0, vocab - rank * rows)] for rank, shard in enumerate(shards)]
+            return [torch.cat(real)]
+        if m.split is Split.QKV:
+            cfg = self.config
+            fused = torch.cat(list(shards)).reshape(
+                cfg.num_key_value_heads, -1, *shards[0].shape[1:]
+            )
+            q_rows = cfg.num_attention_heads // cfg.num_key_value_heads * cfg.head_dim
+            q, k, v = fused.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)
+            return [_owning(x.reshape(-1, *shards[0].shape[1:])) for x in (q, k, v)]
+        halves = [shard.chunk(2) for shard in shards]  # Split.GATE_UP
+        return [torch.cat([half[0] for half in halves]), torch.cat([half[1] for half in halves])]
+
+    # ----- shapes and checks -----
+
+    def _padded_vocab(self, tp_size: int) -> int:
+        return self.config.padded_vocab_size(tp_size, self.make_vocab_size_divisible_by)
+
+    def _shard_shape(self, m: TensorMap, tp_size: int) -> tuple[int, ...]:
+        first, *rest = self.hf_shape(m.hf_names[0])
+        if m.split is Split.REPLICATED:
+            return (first, *rest)
+        if m.split is Split.ROW:
+            return (first, rest[0] // tp_size)
+        if m.split is Split.VOCAB:
+            return (self._padded_vocab(tp_size) // tp_size, *rest)
+        rows = sum(self.hf_shape(name)[0] for name in m.hf_names)  # QKV, GATE_UP
+        return (rows // tp_size, *rest)
+
+    def _check_parallel(self, tp_rank: int, tp_size: int, chunk: ModelChunk) -> None:
+        cfg = self.config
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank={tp_rank} is not in [0, tp_size={tp_size})")
+        heads, groups = cfg.num_attention_heads, cfg.num_key_value_heads
+        qkv_rows = (heads + 2 * groups) * cfg.head_dim
+        if (
+            heads % tp_size
+            or (groups % tp_size and tp_size % groups)
+            or qkv_rows % tp_size
+            or cfg.intermediate_size % tp_size
+        ):
+            raise ValueError(
+                f"TP={tp_size} does not fit this model: megatron-core needs TP to divide "
+                f"num_attention_heads={heads}, intermediate_size={cfg.intermediate_size} and "
+                f"the fused QKV rows={qkv_rows}, and num_key_value_heads={groups} to be a "
+                "multiple or a divisor of TP; choose another TP"
+            )
+        if chunk.layers.step != 1 or chunk.layers.start < 0 or chunk.layers.stop > cfg.num_layers:
+            raise ValueError(f"layers {chunk.layers} are not within the model's {cfg.num_layers}")
+
+
+@functools.cache
+def _tensor_maps(record: ModelRecord, chunk: ModelChunk) -> dict[str, TensorMap]:
+    maps: list[TensorMap] = []
+    if chunk.has_embedding:
+        maps.append(
+            TensorMap(
+                "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Split.VOCAB
+            )
+        )
+    layer_maps = _LAYER_MAPS + ((_QKV_BIAS_MAP,) if record.config.qkv_bias else ())
+    for local, layer in enumerate(chunk.layers):
+        for megatron_suffix, hf_suffixes, split in layer_maps:
+            hf_names = tuple(f"model.layers.{layer}.{suffix}" for suffix in hf_suffixes)
+            maps.append(TensorMap(f"decoder.layers.{local}.{megatron_suffix}", hf_names, split))
+    if chunk.has_output:
+        maps.append(
+            TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED)
+        )
+        if record.head == "value":
+            maps.append(TensorMap("output_layer.weight", ("score.weight",), Split.REPLICATED))
+        elif not record.config.tie_word_embeddings:
+            maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), Split.VOCAB))
+        elif not chunk.has_embedding:
+            maps.append(
+                TensorMap(
+                    "output_layer.weight",
+                    ("model.embed_tokens.weight",),
+                    Split.VOCAB,
+                    tied_copy=True,
+                )
+            )
+    return {m.megatron_name: m for m in maps}
+
+
+@functools.cache
+def _hf_shapes(record: ModelRecord) -> dict[str, tuple[int, ...]]:
+    """Full HF shape by name, layers written as ``model.layers.*``."""
+    cfg = record.config
+    hidden, q_rows = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    kv_rows = cfg.num_key_value_heads * cfg.head_dim
+    layer = {
+        "input_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_rows, hidden),
+        "self_attn.k_proj.weight": (kv_rows, hidden),
+        "self_attn.v_proj.weight": (kv_rows, hidden),
+        "self_attn.o_proj.weight": (hidden, q_rows),
+        "post_attention_layernorm.weight": (hidden,),
+        "mlp.gate_proj.weight": (cfg.intermediate_size, hidden),
+        "mlp.up_proj.weight": (cfg.intermediate_size, hidden),
+        "mlp.down_proj.weight": (hidden, cfg.intermediate_size),
+    }
+    if cfg.qkv_bias:
+        layer.update(
+            {
+                "self_attn.q_proj.bias": (q_rows,),
+                "self_attn.k_proj.bias": (kv_rows,),
+                "self_attn.v_proj.bias": (kv_rows,),
+            }
+        )
+    shapes = {f"model.layers.*.{name}": shape for name, shape in layer.items()}
+    shapes["model.embed_tokens.weight"] = (cfg.vocab_size, hidden)
+    shapes["model.norm.weight"] = (hidden,)
+    if record.head == "value":
+        shapes["score.weight"] = (1, hidden)
+    elif not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, hidden)
+    return shapes
+
+
+def _piece(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """TP rank's equal chunk of ``tensor`` along ``dim``, in its own storage."""
+    return _owning(tensor.chunk(tp_size, dim=dim)[tp_rank])
+
+
+def _owning(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` if it is contiguous and spans its whole storage, else a contiguous copy.
+
+    A view into a larger tensor would keep that tensor alive (a converter's memory) and
+    cannot be written by safetensors alongside its siblings.
+    """
+    whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    if whole and tensor.is_contiguous():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
