@@ -1,0 +1,165 @@
+"""Sequences -> model micro-batches: packed (THD, no padding between sequences) or padded.
+
+A sample is a prompt plus a response. Everything per token is *label-aligned*: position i
+carries the token after it (``labels[i] = tokens[i + 1]``), and the per-token fields at i
+(response mask, old log-prob, value, advantage, ...) belong to that next token, so the state
+before response token t is read at the position of the token before it (DESIGN.md,
+"Positions"). The last position of each sequence predicts nothing and is masked.
+
+Context parallelism: every sequence is padded to a multiple of 2 * CP and each CP rank keeps
+its two load-balanced chunks of it (``parallel/context_parallel.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from vapo_megatron.parallel.context_parallel import split_for_cp, split_packed_for_cp
+
+
+@dataclass
+class Sample:
+    """One prompt and response, with optional label-aligned per-response-token fields."""
+
+    prompt: list[int]
+    """Prompt token ids (at least one)."""
+    response: list[int]
+    """Response token ids."""
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per response token values [len(response)] (old log-probs, advantages, ...)."""
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs and label-aligned per-token fields of this CP rank, all [b, s] ([1, t] packed)."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    response_mask: torch.Tensor
+    """True where the label is a response token (the positions that count)."""
+    fields: dict[str, torch.Tensor]
+    seq_length: int
+    """Length of the row before the context-parallel split (what the schedule is told)."""
+    packed_seq_params: PackedSeqParams | None = None
+    num_seqs: int = 0
+    """Sequences in the micro-batch."""
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _aligned(sample: Sample) -> tuple[torch.Tensor, ...]:
+    """tokens, labels, response mask and label-aligned fields of one sample (unpadded)."""
+    if not sample.prompt:
+        raise ValueError("a sample needs at least one prompt token (the state before the response)")
+    n_prompt, n_resp = len(sample.prompt), len(sample.response)
+    tokens = torch.tensor(sample.prompt + sample.response, dtype=torch.long)
+    length = tokens.numel()
+    labels = torch.zeros(length, dtype=torch.long)
+    labels[:-1] = tokens[1:]
+    mask = torch.zeros(length, dtype=torch.bool)
+    mask[n_prompt - 1 : n_prompt - 1 + n_resp] = True
+    fields = {}
+    for name, values in sample.fields.items():
+        if values.shape != (n_resp,):
+            raise ValueError(
+                f"field {name!r} must have one value per response token ({n_resp}), got {tuple(values.shape)}"
+            )
+        full = torch.zeros(length, dtype=values.dtype)
+        full[n_prompt - 1 : n_prompt - 1 + n_resp] = values
+        fields[name] = full
+    return tokens, labels, mask, fields
+
+
+def pack(
+    samples: Sequence[Sample], *, cp_size: int = 1, cp_rank: int = 0, pad_multiple: int = 1
+) -> MicroBatch:
+    """Pack samples into one THD row [1, t] for this CP rank.
+
+    Each sequence is padded to a multiple of 2 * cp_size (the padding is masked and never
+    attended to by real tokens); the last one further so the row's length is a multiple of
+    ``pad_multiple`` * 2 * cp_size (e.g. the TP size with sequence parallelism).
+    """
+    aligned = [_aligned(s) for s in samples]
+    lengths = [a[0].numel() for a in aligned]
+    padded = [_round_up(n, 2 * cp_size) for n in lengths]
+    total = _round_up(sum(padded), 2 * cp_size * pad_multiple)
+    padded[-1] += total - sum(padded)
+    names = sorted(samples[0].fields) if samples else []
+
+    def row(parts: list[torch.Tensor], dtype) -> torch.Tensor:
+        out = torch.zeros(total, dtype=dtype)
+        start = 0
+        for part, width in zip(parts, padded, strict=True):
+            out[start : start + part.numel()] = part
+            start += width
+        return out
+
+    tokens = row([a[0] for a in aligned], torch.long)
+    labels = row([a[1] for a in aligned], torch.long)
+    mask = row([a[2] for a in aligned], torch.bool)
+    positions = row([torch.arange(n) for n in lengths], torch.long)
+    fields = {n: row([a[3][n] for a in aligned], aligned[0][3][n].dtype) for n in names}
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+
+    # Megatron's THD convention: cu_seqlens count real tokens, *_padded give the layout.
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return split_packed_for_cp(x, cu_padded, cp_size, cp_rank) if cp_size > 1 else x
+
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
+        max_seqlen_q=max(padded),
+        max_seqlen_kv=max(padded),
+    )
+    return MicroBatch(
+        tokens=split(tokens)[None],
+        position_ids=split(positions)[None],
+        labels=split(labels)[None],
+        response_mask=split(mask)[None],
+        fields={n: split(v)[None] for n, v in fields.items()},
+        seq_length=total,
+        packed_seq_params=params,
+        num_seqs=len(samples),
+    )
+
+
+def pad(
+    samples: Sequence[Sample], *, cp_size: int = 1, cp_rank: int = 0, pad_multiple: int = 1
+) -> MicroBatch:
+    """Right-pad samples into rows [b, s] for this CP rank; s is a multiple of 2 * cp_size *
+    pad_multiple."""
+    aligned = [_aligned(s) for s in samples]
+    width = _round_up(max(a[0].numel() for a in aligned), 2 * cp_size * pad_multiple)
+    names = sorted(samples[0].fields)
+
+    def rows(index: int, dtype, name: str | None = None) -> torch.Tensor:
+        out = torch.zeros(len(aligned), width, dtype=dtype)
+        for b, a in enumerate(aligned):
+            part = a[index] if name is None else a[index][name]
+            out[b, : part.numel()] = part
+        return out
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return split_for_cp(x, cp_size, cp_rank, dim=1)
+
+    positions = torch.arange(width).expand(len(aligned), width)
+    return MicroBatch(
+        tokens=split(rows(0, torch.long)),
+        position_ids=split(positions),
+        labels=split(rows(1, torch.long)),
+        response_mask=split(rows(2, torch.bool)),
+        fields={n: split(rows(3, aligned[0][3][n].dtype, n)) for n in names},
+        seq_length=width,
+        num_seqs=len(samples),
+    )

@@ -1,0 +1,143 @@
+"""Build the policy (LM head) and the critic (value head) as megatron-core GPTModels.
+
+One HF config and one layout give the model chunks of this rank: one chunk, or one per
+virtual pipeline stage. Policy and critic take independent layouts. Layer specs: Transformer
+Engine's on a GPU when it is installed, else megatron-core's local spec with the project's core
+attention (context parallelism and packed sequences without Transformer Engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from vapo_megatron.models.config import Head, HFModelConfig
+from vapo_megatron.models.value_head import ValueHead
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelLayout:
+    """How one model (policy or critic) is split; data parallelism takes the remaining ranks."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    cp: int = 1
+    """Context-parallel size."""
+    vpp: int | None = None
+    """Virtual pipeline stages per pipeline rank (interleaved schedule); None: off."""
+    sequence_parallel: bool = False
+    """Shard norms' and dropouts' activations along the sequence across TP (needs tp > 1)."""
+
+    def check(self, hf: HFModelConfig) -> None:
+        """ValueError naming the value and the fix for a layout the model cannot take."""
+        if min(self.tp, self.pp, self.cp) < 1 or (self.vpp is not None and self.vpp < 1):
+            raise ValueError(f"parallel sizes must be >= 1, got {self}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1; set sequence_parallel=false")
+        if self.vpp is not None and self.pp == 1:
+            raise ValueError("virtual pipeline stages (vpp) need pp > 1; set vpp=null")
+        if hf.num_attention_heads % self.tp or hf.num_key_value_heads % self.tp:
+            raise ValueError(
+                f"tp={self.tp} must divide num_attention_heads={hf.num_attention_heads} and "
+                f"num_key_value_heads={hf.num_key_value_heads}; pick a tp that divides both"
+            )
+        stages = self.pp * (self.vpp or 1)
+        if hf.num_layers % stages:
+            raise ValueError(
+                f"pp * vpp = {stages} must divide num_layers={hf.num_layers}; change pp or vpp"
+            )
+
+
+def transformer_config(
+    hf: HFModelConfig,
+    layout: ModelLayout,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    use_cpu_initialization: bool | None = None,
+) -> TransformerConfig:
+    """The TransformerConfig of ``hf`` under ``layout`` (fp32 or bf16 parameters)."""
+    if params_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"params_dtype must be float32 or bfloat16, got {params_dtype}")
+    if use_cpu_initialization is None:
+        use_cpu_initialization = not torch.cuda.is_available()
+    return TransformerConfig(
+        **hf.transformer_config_kwargs(),
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=use_cpu_initialization,
+        # Interleaved PP with batched p2p gives wrong results once micro-batches > PP
+        # (MEGATRON_ON_CPU.md, traps); the overlapped unbatched path is exact.
+        overlap_p2p_comm=layout.vpp is not None,
+        batch_p2p_comm=layout.vpp is None,
+    )
+
+
+def default_layer_spec() -> ModuleSpec:
+    """Transformer Engine's layer spec on a GPU with TE installed, else the local spec."""
+    if torch.cuda.is_available():
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec,
+            )
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    from vapo_megatron.models.layer_spec import local_layer_spec
+
+    return local_layer_spec()
+
+
+def build_model(
+    hf: HFModelConfig,
+    config: TransformerConfig,
+    *,
+    head: Head,
+    layer_spec: ModuleSpec | None = None,
+) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage) of the policy or critic.
+
+    Needs ``parallel_state`` initialised with the layout's sizes. For ``head='value'`` the last
+    stage's output layer is a :class:`ValueHead` and the model returns values [b, s, 1].
+    """
+    if layer_spec is None:
+        layer_spec = default_layer_spec()
+    tp = config.tensor_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = None if vpp is None else vp_stage
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            vp_stage=stage,
+            **hf.gpt_model_kwargs(tp, head),
+        )
+        if head == "value" and post:
+            # Built as an LM first (megatron-core has no other output layer); the vocab-sized
+            # layer is dropped here, before any optimizer or DDP buffer sees it.
+            model.output_layer = ValueHead(
+                config.hidden_size,
+                sequence_parallel=config.sequence_parallel,
+                tp_group=parallel_state.get_tensor_model_parallel_group(),
+            )
+        chunks.append(model)
+    return chunks
