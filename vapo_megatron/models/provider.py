@@ -15,8 +15,13 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from vapo_megatron.models.config import Head, HFModelConfig
+from vapo_megatron.models.norm import RMSNorm
 from vapo_megatron.models.value_head import ValueHead
 
 
@@ -86,7 +91,8 @@ def transformer_config(
 
 
 def default_layer_spec() -> ModuleSpec:
-    """Transformer Engine's layer spec on a GPU with TE installed, else the local spec."""
+    """Transformer Engine's layer spec on a GPU with TE installed, else the local spec with
+    the project's core attention and RMSNorm (see :func:`_block_spec`)."""
     if torch.cuda.is_available():
         try:
             from megatron.core.models.gpt.gpt_layer_specs import (
@@ -98,7 +104,19 @@ def default_layer_spec() -> ModuleSpec:
             pass
     from vapo_megatron.models.layer_spec import local_layer_spec
 
-    return local_layer_spec()
+    spec = local_layer_spec()
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    return spec
+
+
+def _block_spec(config: TransformerConfig, layer_spec: ModuleSpec, vp_stage: int | None):
+    """Layer spec -> block spec. With our RMSNorm in the layers, the final norm is ours too
+    (megatron's default final norm is the torch fallback, which refuses sequence parallelism)."""
+    if layer_spec.submodules.input_layernorm is not RMSNorm:
+        return layer_spec
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * count, layer_norm=RMSNorm)
 
 
 def build_model(
@@ -124,7 +142,7 @@ def build_model(
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=_block_spec(config, layer_spec, stage),
             pre_process=pre,
             post_process=post,
             parallel_output=True,

@@ -10,7 +10,7 @@ num_microbatches * dp_size before handing it to Megatron, which cancels both exa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,7 +28,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.models.config import Head, HFModelConfig
+from vapo_megatron.models.hf_weights import gather_hf_weights, load_hf_weights
 from vapo_megatron.models.provider import ModelLayout, build_model, transformer_config
+from vapo_megatron.models.record import ModelRecord
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(model output [b, s, V/tp] logits or [b, s, 1] values, micro-batch) -> (loss share, metrics)."""
@@ -69,6 +71,7 @@ class ModelEngine:
     ):
         layout.check(hf)
         self.hf, self.layout, self.head = hf, layout, head
+        self.record = ModelRecord(hf, head)
         self.config = transformer_config(hf, layout, params_dtype=params_dtype)
         self.config.finalize_model_grads_func = finalize_model_grads
         bf16 = params_dtype == torch.bfloat16
@@ -95,6 +98,28 @@ class ModelEngine:
                 use_distributed_optimizer=optim.distributed_optimizer,
             ),
             self.chunks,
+        )
+
+    def load_hf(self, hf_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Set the weights from full HF-named tensors (the optimizer's copies follow)."""
+        load_hf_weights(
+            self.chunks,
+            self.record,
+            hf_tensors,
+            self.config,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        )
+        self.optimizer.reload_model_params()
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This pipeline stage's weights as full HF-named tensors (collective over TP)."""
+        return gather_hf_weights(
+            self.chunks,
+            self.record,
+            self.config,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         )
 
     @property
