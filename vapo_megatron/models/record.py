@@ -30,6 +30,13 @@ output_layer.weight        (policy)         lm_head.weight (untied) /           
 output_layer.weight        (critic)         score.weight                                   REPLICATED
 =========================================  =============================================  =========
 
+Shapes (h hidden, nh/ng query/KV heads, d head_dim, f intermediate, V vocab, t TP; Vp is V
+rounded up to a multiple of make_vocab_size_divisible_by * t), HF -> one TP rank's shard:
+q_proj [nh*d, h], k_proj/v_proj [ng*d, h] -> linear_qkv [(nh + 2*ng)*d / t, h] (biases
+likewise without h); o_proj [h, nh*d] -> linear_proj [h, nh*d / t]; gate_proj/up_proj [f, h]
+-> linear_fc1 [2*f / t, h]; down_proj [h, f] -> linear_fc2 [h, f / t]; embed_tokens/lm_head
+[V, h] -> [Vp / t, h]; norms [h]; score [1, h] -> output_layer [1, h].
+
 Tied embeddings. With PP = 1 the model has no ``output_layer.weight`` (it reads the
 embedding). With PP > 1 the last stage keeps a copy that Megatron keeps equal to the embedding:
 HF -> Megatron fills it from ``model.embed_tokens.weight``; Megatron -> HF maps it to nothing
