@@ -48,10 +48,11 @@ class ModelLayout:
             raise ValueError("sequence_parallel needs tp > 1; set sequence_parallel=false")
         if self.vpp is not None and self.pp == 1:
             raise ValueError("virtual pipeline stages (vpp) need pp > 1; set vpp=null")
-        if hf.num_attention_heads % self.tp or hf.num_key_value_heads % self.tp:
+        kv = hf.num_key_value_heads
+        if hf.num_attention_heads % self.tp or (kv % self.tp and self.tp % kv):
             raise ValueError(
-                f"tp={self.tp} must divide num_attention_heads={hf.num_attention_heads} and "
-                f"num_key_value_heads={hf.num_key_value_heads}; pick a tp that divides both"
+                f"tp={self.tp} must divide num_attention_heads={hf.num_attention_heads}, and "
+                f"num_key_value_heads={kv} must be a multiple or a divisor of it; pick another tp"
             )
         stages = self.pp * (self.vpp or 1)
         if hf.num_layers % stages:
