@@ -1,0 +1,98 @@
+import pytest
+import torch
+
+from vapo_megatron.rollout.weight_buckets import bucket_nbytes, iter_buckets
+
+pytestmark = pytest.mark.unit
+
+
+def named(*numels, dtype=torch.float32):
+    return [(f"t{i}", torch.full((n,), float(i), dtype=dtype)) for i, n in enumerate(numels)]
+
+
+def names(buckets):
+    return [[name for name, _ in bucket] for bucket in buckets]
+
+
+def test_groups_in_order_up_to_the_bound():
+    # fp32: 4 bytes per element; bound 40 bytes = 10 elements.
+    buckets = list(iter_buckets(named(4, 4, 2, 3, 5, 5), 40))
+    assert names(buckets) == [["t0", "t1", "t2"], ["t3", "t4"], ["t5"]]
+    assert [bucket_nbytes(b) for b in buckets] == [40, 32, 20]
+
+
+def test_concatenation_gives_back_the_input():
+    tensors = named(7, 1, 12, 3, 3, 9, 2)
+    buckets = list(iter_buckets(iter(tensors), 24))
+    flat = [item for bucket in buckets for item in bucket]
+    assert [name for name, _ in flat] == [name for name, _ in tensors]
+    for (_, got), (_, want) in zip(flat, tensors, strict=True):
+        assert got is want  # no copy without a dtype cast
+    assert all(bucket for bucket in buckets)
+
+
+def test_oversized_tensor_goes_alone():
+    # t1 (100 bytes) exceeds the 40-byte bound: the bucket before it closes, it goes alone.
+    buckets = list(iter_buckets(named(2, 25, 3, 30, 30), 40))
+    assert names(buckets) == [["t0"], ["t1"], ["t2"], ["t3"], ["t4"]]
+    assert bucket_nbytes(buckets[1]) == 100
+
+
+def test_exact_fit_and_single_large_bucket():
+    assert names(iter_buckets(named(5, 5), 40)) == [["t0", "t1"]]
+    assert names(iter_buckets(named(5, 5, 5), 1 << 30)) == [["t0", "t1", "t2"]]
+
+
+def test_empty_input_and_empty_tensors():
+    assert list(iter_buckets([], 10)) == []
+    # Zero-byte tensors never close a bucket, and are kept.
+    assert names(iter_buckets(named(0, 2, 0), 8)) == [["t0", "t1", "t2"]]
+
+
+def test_sizes_follow_each_tensors_dtype():
+    mixed = [
+        ("a", torch.zeros(4, dtype=torch.float32)),  # 16 bytes
+        ("b", torch.zeros(8, dtype=torch.bfloat16)),  # 16 bytes
+        ("c", torch.zeros(2, dtype=torch.int64)),  # 16 bytes
+    ]
+    assert names(iter_buckets(mixed, 32)) == [["a", "b"], ["c"]]
+
+
+def test_dtype_cast_applies_to_floating_tensors_only():
+    stream = [
+        ("w", torch.randn(6, dtype=torch.float32)),
+        ("ids", torch.arange(3)),
+        ("v", torch.randn(6, dtype=torch.float32)),
+    ]
+    # bf16: w and v are 12 bytes each, ids stays int64 (24 bytes).
+    buckets = list(iter_buckets(stream, 36, dtype=torch.bfloat16))
+    assert names(buckets) == [["w", "ids"], ["v"]]
+    w, ids = buckets[0][0][1], buckets[0][1][1]
+    assert w.dtype == torch.bfloat16 and ids.dtype == torch.int64
+    torch.testing.assert_close(w, stream[0][1].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_lazy_consumption():
+    consumed = []
+
+    def stream():
+        for i in range(5):
+            consumed.append(i)
+            yield f"t{i}", torch.zeros(5)  # 20 bytes each
+
+    buckets = iter_buckets(stream(), 40)
+    assert names([next(buckets)]) == [["t0", "t1"]]
+    assert consumed == [0, 1, 2]  # t2 was read to learn that the bucket was full
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_rejects_non_positive_bound(bad):
+    with pytest.raises(ValueError, match="bucket_bytes must be > 0"):
+        list(iter_buckets(named(1), bad))
+
+
+def test_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="floating-point"):
+        list(iter_buckets(named(1), 8, dtype=torch.int32))
+    with pytest.raises(TypeError, match="'x': expected a torch.Tensor"):
+        list(iter_buckets([("x", [1.0, 2.0])], 8))
