@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-BENCHES = {"gae": "bench_gae"}
+BENCHES = {"gae": "bench_gae", "model": "bench_model"}
 
 
 def main() -> None:

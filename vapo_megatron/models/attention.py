@@ -141,8 +141,20 @@ class ContextParallelDotProductAttention(MegatronModule):
         else:
             allowed = allowed[None, None]  # [1, 1, sq, sk]
 
-        context = self._attend(query, key, value, allowed)  # [sq, b, np * hn]
-        return context.squeeze(1) if packed else context
+        if not packed:
+            return self._attend(query, key, value, allowed)  # [sq, b, np * hn]
+        # Packed: attention never crosses sequences, so attend block by block (sum of
+        # length^2 work instead of (total length)^2). Rank-local rows of sequence i are
+        # contiguous (its two chunks); its keys sit at [bounds[i], bounds[i + 1]).
+        contexts = []
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            rows = slice(start // cp_size, end // cp_size)
+            contexts.append(
+                self._attend(
+                    query[rows], key[start:end], value[start:end], allowed[..., rows, start:end]
+                )
+            )
+        return torch.cat(contexts).squeeze(1)
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor) -> Tensor:
         """Masked softmax attention. query [sq, b, np, hn], key/value [sk, b, ng, hn],
