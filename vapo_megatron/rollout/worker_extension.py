@@ -1,0 +1,96 @@
+"""Code that runs inside vLLM's worker processes: the weight-transfer backend and a few probes.
+
+vLLM imports this module in every worker (it is the engine's ``worker_extension_cls``)
+before the model is built, which is what registers the ``vapo_inline`` weight-transfer
+backend there; in-process (TP=1) the engine module imports it itself. Keep it small and
+free of project imports: it is loaded by vLLM's workers, not by the trainer's code paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+INLINE_BACKEND = "vapo_inline"
+
+
+@dataclass
+class InlineInitInfo(WeightTransferInitInfo):
+    """Nothing to rendezvous: the tensors travel inside the RPC message."""
+
+
+@dataclass
+class InlineUpdateInfo(WeightTransferUpdateInfo):
+    weights: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    """One bucket of (HF name, full tensor) pairs."""
+
+
+class InlineWeightTransferEngine(WeightTransferEngine[InlineInitInfo, InlineUpdateInfo]):
+    """Weight-transfer backend whose chunks carry the CPU tensors themselves.
+
+    In-process (TP=1) the tensors are passed by reference. With worker processes (TP>1)
+    vLLM's RPC queue pickles CPU tensors out of band through shared memory, so each rank
+    receives the full tensor and vLLM's loaders fuse q/k/v and gate/up and slice for the
+    rank. One update is a session: ``start`` puts every layer in layerwise-reload mode,
+    each chunk is buffered per layer until the layer is complete (so chunk boundaries may
+    fall anywhere, even between q_proj and k_proj), ``finish`` processes what is left.
+    vLLM's built-in ``ipc`` and ``nccl`` backends need a GPU.
+    """
+
+    init_info_cls = InlineInitInfo
+    update_info_cls = InlineUpdateInfo
+
+    def init_transfer_engine(self, init_info: InlineInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: InlineUpdateInfo) -> None:
+        self.model.load_weights(update_info.weights)
+
+    def finish_weight_update(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        pass
+
+
+try:
+    WeightTransferEngineFactory.register_engine(INLINE_BACKEND, InlineWeightTransferEngine)
+except ValueError:  # already registered: this module was imported before in this process
+    pass
+
+
+def _proc_status_bytes(*keys: str) -> dict[str, int]:
+    values = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in keys:
+                values[key] = int(value.split()[0]) * 1024  # reported in kB
+    return values
+
+
+class RolloutWorkerExtension:
+    """Methods vLLM adds to each worker, called with ``collective_rpc(name)``."""
+
+    def vapo_reset_peak_memory(self) -> int:
+        """Reset this process's peak resident memory (Linux ``clear_refs``); return current RSS."""
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return _proc_status_bytes("VmRSS")["VmRSS"]
+
+    def vapo_peak_memory(self) -> int:
+        """Peak resident memory of this process since the last reset, in bytes."""
+        return _proc_status_bytes("VmHWM")["VmHWM"]
