@@ -65,15 +65,17 @@ def gather_hf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline rank's weights as full HF-named tensors, gathered over ``tp_group``.
 
-    Yields in state-dict order, one Megatron tensor at a time (so at most one full tensor plus
-    its shards is alive). Collective: every rank of the TP group must iterate to the end.
+    Yields in the record's order, one Megatron tensor at a time (so at most one full tensor
+    plus its shards is alive). Collective: every rank of the TP group must iterate to the end.
     """
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
     for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
-        maps = record.tensor_maps(chunk)
-        for name, param in unwrap_model(model).named_parameters():
-            local = param.detach()
-            if tp_size > 1 and maps[name].split is not Split.REPLICATED:
+        params = dict(unwrap_model(model).named_parameters())
+        for name, m in record.tensor_maps(chunk).items():
+            if m.tied_copy:  # the first stage exports the shared embedding
+                continue
+            local = params[name].detach()
+            if tp_size > 1 and m.split is not Split.REPLICATED:
                 shards = [torch.empty_like(local) for _ in range(tp_size)]
                 dist.all_gather(shards, local.contiguous(), group=tp_group)
             else:

@@ -1,0 +1,58 @@
+"""Worker: the policy weight stream gives every rank the exact HF tensors, at TP/PP layouts.
+
+Usage: python stream_worker.py "2x1,1x2,..." (TP x PP).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from vapo_megatron.models.config import HFModelConfig
+from vapo_megatron.models.provider import ModelLayout
+from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
+from vapo_megatron.rollout.weight_stream import stream_policy_weights
+from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
+
+BUCKET = 64 * 1024
+
+
+def main() -> None:
+    for tie in (False, True):
+        config = Qwen2Config(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, num_hidden_layers=4, vocab_size=250,
+            max_position_embeddings=256, rope_theta=1e6, tie_word_embeddings=tie,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        reference = Qwen2ForCausalLM(config).float().state_dict()
+        if tie:
+            reference.pop("lm_head.weight")
+        hf = HFModelConfig.from_hf(config.to_dict())
+        for spec in sys.argv[1].split(","):
+            tp, pp = (int(v) for v in spec.split("x"))
+            initialize_megatron_cpu(tp=tp, pp=pp)
+            engine = ModelEngine(hf, ModelLayout(tp=tp, pp=pp), head="lm", optim=OptimSettings())
+            engine.load_hf(reference)
+            names = []
+            for bucket in stream_policy_weights(
+                engine.chunks, engine.record, engine.config, tp_group=ps.get_tensor_model_parallel_group(),
+                pp_group=ps.get_pipeline_model_parallel_group(), bucket_bytes=BUCKET,
+            ):  # fmt: skip
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                assert size <= BUCKET or len(bucket) == 1, (size, len(bucket))
+                for name, tensor in bucket:
+                    assert torch.equal(tensor, reference[name]), name
+                    names.append(name)
+            assert sorted(names) == sorted(reference), set(names) ^ set(reference)
+            assert len(names) == len(set(names))
+            print(f"rank {dist.get_rank()}: tie={tie} TP{tp}xPP{pp}: {len(names)} tensors exact")
+    destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The policy's weights, from Megatron shards to full HF-named tensors on every rollout rank.
+
+Each pipeline stage gathers its own layers over tensor parallelism (``models/hf_weights.py``,
+through the model record: fused QKV and gate/up split back, vocabulary padding trimmed). With
+pipeline parallelism the stages then take turns broadcasting their tensors, one bucket at a
+time, over the pipeline group, so every rank ends up with every tensor, in one fixed order
+(stage 0's tensors, then stage 1's, ...; within a stage, the record's order), while holding at
+most one bucket beyond its own shards. Receivers know every name, shape and dtype in advance
+from the record, so a bucket travels as one flat buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer import TransformerConfig
+
+from vapo_megatron.models.hf_weights import gather_hf_weights, model_chunks_of_rank
+from vapo_megatron.models.record import ModelRecord
+from vapo_megatron.rollout.weight_buckets import NamedTensor, iter_buckets
+
+
+def _stage_plan(record: ModelRecord, config: TransformerConfig, stage: int, dtype: torch.dtype):
+    """(name, meta tensor) of every HF tensor pipeline stage ``stage`` exports, in order."""
+    for chunk in model_chunks_of_rank(config, stage):
+        for m in record.tensor_maps(chunk).values():
+            if m.tied_copy:
+                continue
+            for name in m.hf_names:
+                yield name, torch.empty(record.hf_shape(name), dtype=dtype, device="meta")
+
+
+def stream_policy_weights(
+    models: list[torch.nn.Module],
+    record: ModelRecord,
+    config: TransformerConfig,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+    bucket_bytes: int,
+) -> Iterator[list[NamedTensor]]:
+    """Buckets of the whole model's full HF-named tensors, on every rank.
+
+    Collective over the TP and PP groups: every rank must consume the iterator to the end.
+    Tensors come in the parameters' dtype (``config.params_dtype``).
+    """
+    pp_size = 1 if pp_group is None else dist.get_world_size(pp_group)
+    pp_rank = 0 if pp_group is None else dist.get_rank(pp_group)
+    dtype = config.params_dtype
+    for stage in range(pp_size):
+        own = stage == pp_rank
+        gathered = (
+            gather_hf_weights(models, record, config, tp_group=tp_group, pp_rank=pp_rank)
+            if own
+            else None
+        )
+        if pp_size == 1:
+            yield from iter_buckets(gathered, bucket_bytes)
+            continue
+        source = dist.get_global_rank(pp_group, stage)
+        for plan in iter_buckets(_stage_plan(record, config, stage, dtype), bucket_bytes):
+            flat = torch.empty(sum(meta.numel() for _, meta in plan), dtype=dtype)
+            views, offset = [], 0
+            for name, meta in plan:
+                view = flat[offset : offset + meta.numel()].view(meta.shape)
+                offset += meta.numel()
+                if own:
+                    got_name, tensor = next(gathered)
+                    assert got_name == name, (got_name, name)  # record order on both sides
+                    view.copy_(tensor)
+                views.append((name, view))
+            dist.broadcast(flat, src=source, group=pp_group)
+            yield views
+        if own:
+            assert next(gathered, None) is None, "the record's plan missed a tensor"
