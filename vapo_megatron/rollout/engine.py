@@ -311,5 +311,10 @@ class RolloutEngine:
         return self.llm.collective_rpc("vapo_peak_memory")
 
     def shutdown(self) -> None:
-        """Stop the worker processes (TP>1) and vLLM's process groups in this process."""
+        """Stop the worker processes (TP>1) and vLLM's process groups in this process.
+
+        vLLM's parallel state is global to the process, and its teardown destroys
+        torch.distributed's default group, the trainer's own when one existed before the
+        engine (vLLM adopts it): shut down last, and only one engine per process at a time.
+        """
         self.llm.llm_engine.engine_core.shutdown()
