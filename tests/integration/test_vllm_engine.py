@@ -209,6 +209,11 @@ class TestInProcessEngine:
         assert len({tuple(s.response_token_ids) for s in first}) == 6
         assert [s.response_token_ids for s in run(6)] != [s.response_token_ids for s in first]
 
+    def test_empty_and_invalid_requests(self, engine):
+        assert engine.generate([], max_new_tokens=4) == []
+        with pytest.raises(ValueError, match="n must be >= 1"):
+            engine.generate(prompts()[:1], n=0, max_new_tokens=4)
+
     def test_sleep_and_wake_up_are_no_ops_on_cpu(self, engine):
         assert engine.is_cpu
         prompt_ids = prompts()[:1]
@@ -253,6 +258,17 @@ def test_version_check():
         check_vllm_version("0.31.1", "/somewhere/vllm")
     message = str(error.value)
     assert "0.31.1" in message and VLLM_VERSION in message and "pip install" in message
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="dtype must be"):
+        RolloutConfig(model_path="m", dtype="auto")
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        RolloutConfig(model_path="m", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="weight_bucket_bytes must be > 0"):
+        RolloutConfig(model_path="m", weight_bucket_bytes=0)
+    with pytest.raises(ValueError, match="logprobs_mode must be"):
+        RolloutConfig(model_path="m", logprobs_mode="raw_logits")
 
 
 def test_cpu_thread_binding():

@@ -53,6 +53,10 @@ class RolloutConfig:
     """Which log-probs generate returns: the model's own distribution (temperature 1, no top-p), or the one sampled from."""
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"dtype must be 'bfloat16', 'float16' or 'float32', got {self.dtype!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.weight_bucket_bytes <= 0:
@@ -119,13 +123,14 @@ def cpu_thread_binding(tensor_parallel_size: int, cores: Sequence[int]) -> str:
 class RolloutEngine:
     """vLLM's offline engine with the engine core in this process.
 
-    TP=1 runs the model in this process too ('uni' executor, ~2 s to start on CPU); TP>1
-    starts one worker process per rank ('mp' executor). Weight updates go through vLLM's
+    TP=1 runs the model in this process too ('uni' executor, seconds to start on CPU);
+    TP>1 starts one worker process per rank ('mp' executor, ~25 s on 2 cores). Weight updates go through vLLM's
     weight-transfer API with the ``vapo_inline`` backend (worker_extension.py).
     """
 
     def __init__(self, config: RolloutConfig) -> None:
         import vllm
+        import vllm.envs
 
         check_vllm_version(vllm.__version__, os.path.dirname(vllm.__file__))
         from vllm.platforms import current_platform
@@ -201,6 +206,8 @@ class RolloutEngine:
             raise ValueError(f"n must be >= 1, got {n}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not prompt_token_ids:
+            return []
         params = [
             SamplingParams(
                 n=n,
@@ -290,8 +297,8 @@ class RolloutEngine:
         """Bring back the engine's memory, in the order given.
 
         The step does ``wake_up(["weights"])``, ``update_weights(...)``, then
-        ``wake_up(["kv_cache"])``, so weights and KV cache are never resident together with
-        the incoming buckets. On CPU this does nothing (see ``sleep``).
+        ``wake_up(["kv_cache"])``, so that the KV cache is not allocated while the buckets
+        are in flight. On CPU this does nothing (see ``sleep``).
         """
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
