@@ -14,7 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-BENCHES = {"gae": "bench_gae", "model": "bench_model"}
+BENCHES = {
+    "gae": "bench_gae",
+    "model": "bench_model",
+    "convert": "bench_convert",
+    "sync": "bench_sync",
+}
 
 
 def main() -> None:
