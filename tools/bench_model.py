@@ -126,10 +126,7 @@ def worker(gpu: bool) -> None:
             [m.response_mask for m in mbs], [m.fields["positive"] for m in mbs], len(samples),
             dp_cp_group=None, cp_size=1,
         )  # fmt: skip
-        loss_fn = policy_loss_fn(
-            algo_preset("vapo"), norm, tp_group=ps.get_tensor_model_parallel_group(),
-            vocab_size=hf.vocab_size, vocab_start=engine.vocab_start,
-        )  # fmt: skip
+        loss_fn = policy_loss_fn(algo_preset("vapo"), norm, engine.vocab_slice)
         engine.run(mbs, loss_fn)  # warm-up
         times = []
         for _ in range(3):

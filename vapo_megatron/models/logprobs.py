@@ -13,6 +13,8 @@ before any context-parallel split.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -104,3 +106,24 @@ def vocab_parallel_logprobs(
     return _VocabParallelLogprobEntropy.apply(
         logits, labels, vocab_start, vocab_size, temperature, tp_group
     )
+
+
+@dataclass(frozen=True)
+class VocabSlice:
+    """Where this rank's logits sit in the vocabulary: what log-probs need besides them."""
+
+    tp_group: dist.ProcessGroup | None
+    """The tensor-parallel group the vocabulary is split over (None: not split)."""
+    vocab_size: int
+    """Real vocabulary size (the HF config's); padded ids above it never count."""
+    start: int = 0
+    """First vocabulary id of this rank's logits."""
+
+    def logprobs(
+        self, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`vocab_parallel_logprobs` of ``labels`` under this rank's ``logits``."""
+        return vocab_parallel_logprobs(
+            logits, labels, tp_group=self.tp_group, vocab_size=self.vocab_size,
+            vocab_start=self.start, temperature=temperature,
+        )  # fmt: skip

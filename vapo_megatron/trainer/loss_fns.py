@@ -8,7 +8,6 @@ Micro-batch fields used (label-aligned, see ``data/packing.py``): ``old_logprobs
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.losses import (
@@ -18,26 +17,17 @@ from vapo_megatron.algorithms.losses import (
     value_loss,
 )
 from vapo_megatron.data.packing import MicroBatch
-from vapo_megatron.models.logprobs import vocab_parallel_logprobs
+from vapo_megatron.models.logprobs import VocabSlice
 from vapo_megatron.parallel.reductions import LossNormalisers
 
 
 def policy_loss_fn(
-    cfg: AlgoConfig,
-    norm: LossNormalisers,
-    *,
-    tp_group: dist.ProcessGroup | None,
-    vocab_size: int,
-    vocab_start: int,
-    temperature: float = 1.0,
+    cfg: AlgoConfig, norm: LossNormalisers, vocab: VocabSlice, *, temperature: float = 1.0
 ):
     """PPO (clip-higher) + mu * positive-example NLL - entropy_coef * entropy, as a share."""
 
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-        logp, entropy = vocab_parallel_logprobs(
-            logits, mb.labels, tp_group=tp_group, vocab_size=vocab_size,
-            vocab_start=vocab_start, temperature=temperature,
-        )  # fmt: skip
+        logp, entropy = vocab.logprobs(logits, mb.labels, temperature)
         mask = mb.response_mask
         loss, metrics = policy_loss(
             logp,
@@ -89,20 +79,11 @@ def value_loss_fn(cfg: AlgoConfig, norm: LossNormalisers):
     return loss_fn
 
 
-def logprob_scoring_fn(
-    *,
-    tp_group: dist.ProcessGroup | None,
-    vocab_size: int,
-    vocab_start: int,
-    temperature: float = 1.0,
-):
+def logprob_scoring_fn(vocab: VocabSlice, *, temperature: float = 1.0):
     """Forward-only: per-token log-probs [b, s] (and entropy) of the labels, in the metrics."""
 
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
-        logp, entropy = vocab_parallel_logprobs(
-            logits, mb.labels, tp_group=tp_group, vocab_size=vocab_size,
-            vocab_start=vocab_start, temperature=temperature,
-        )  # fmt: skip
+        logp, entropy = vocab.logprobs(logits, mb.labels, temperature)
         zero = logits.new_zeros((), dtype=torch.float32)
         return zero, {"logprobs": logp.detach(), "entropy": entropy.detach()}
 

@@ -29,6 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.models.hf_weights import gather_hf_weights, load_hf_weights
+from vapo_megatron.models.logprobs import VocabSlice
 from vapo_megatron.models.provider import ModelLayout, build_model, transformer_config
 from vapo_megatron.models.record import ModelRecord
 
@@ -123,10 +124,14 @@ class ModelEngine:
         )
 
     @property
-    def vocab_start(self) -> int:
-        """First (padded) vocabulary id of this TP rank's logits slice."""
+    def vocab_slice(self) -> VocabSlice:
+        """This TP rank's slice of the padded vocabulary (for log-probs from its logits)."""
         vocab = self.hf.padded_vocab_size(self.layout.tp)
-        return parallel_state.get_tensor_model_parallel_rank() * (vocab // self.layout.tp)
+        return VocabSlice(
+            parallel_state.get_tensor_model_parallel_group(),
+            self.hf.vocab_size,
+            parallel_state.get_tensor_model_parallel_rank() * (vocab // self.layout.tp),
+        )
 
     def run(
         self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, forward_only: bool = False

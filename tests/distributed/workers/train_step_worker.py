@@ -18,6 +18,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 from vapo_megatron.algorithms.presets import algo_preset
 from vapo_megatron.data.packing import Sample, pack, pad
 from vapo_megatron.models.config import HFModelConfig
+from vapo_megatron.models.logprobs import VocabSlice
 from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 from vapo_megatron.parallel.reductions import global_loss_normalisers
@@ -115,10 +116,11 @@ def reference_step(model, forward, loss_fn_factory, samples):
     )
 
 
-def policy_factory(vocab_start=0, tp_group=None):
-    return lambda norm: policy_loss_fn(
-        CFG, norm, tp_group=tp_group, vocab_size=VOCAB, vocab_start=vocab_start
-    )
+ONE_PROCESS_VOCAB = VocabSlice(None, VOCAB)
+
+
+def policy_factory(vocab=ONE_PROCESS_VOCAB):
+    return lambda norm: policy_loss_fn(CFG, norm, vocab)
 
 
 def critic_factory():
@@ -151,7 +153,7 @@ def check_layout(name, layout, micro, packed, distributed_optimizer, refs, sampl
         engine = ModelEngine(hf, layout, head=head, optim=optim)
         engine.load_hf(sd)
         if head == "lm":
-            factory = policy_factory(engine.vocab_start, groups.tp)
+            factory = policy_factory(engine.vocab_slice)
         else:  # the critic's values equal the reference's, at the response tokens
             outs = engine.run(mbs, value_scoring_fn(), forward_only=True)
             if last_stage:

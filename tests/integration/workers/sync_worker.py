@@ -82,15 +82,15 @@ def sync(engine: ModelEngine, rollout: RolloutEngine | None) -> None:
         rollout.update_weights(named)
 
 
-def greedy(rollout: RolloutEngine | None):
-    """Greedy tokens and log-probs of rank 0's engine, on every rank."""
-    result = [None]
-    if rollout is not None and dist.get_rank() == 0:
-        samples = rollout.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=NEW_TOKENS)
-        result = [([s.response_token_ids for s in samples], [s.logprobs for s in samples])]
-    elif rollout is not None:  # every rank's own engine
+def greedy(rollout: RolloutEngine | None, engine_tp: int):
+    """Greedy tokens and log-probs: each rank's own engine (TP=1), or rank 0's (TP>1)."""
+    if engine_tp == 1:
         samples = rollout.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=NEW_TOKENS)
         return [s.response_token_ids for s in samples], [s.logprobs for s in samples]
+    result = [None]
+    if dist.get_rank() == 0:
+        samples = rollout.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=NEW_TOKENS)
+        result = [([s.response_token_ids for s in samples], [s.logprobs for s in samples])]
     dist.broadcast_object_list(result, src=0)
     return result[0]
 
@@ -111,12 +111,7 @@ def logprob_agreement(engine: ModelEngine, tokens, vllm_logprobs) -> float:
     """Mean |exp(logp_vllm - logp_mcore) - 1| over the generated tokens."""
     samples = [Sample(prompt, response) for prompt, response in zip(PROMPTS, tokens, strict=True)]
     mb = pad(samples, pad_multiple=8)
-    fn = logprob_scoring_fn(
-        tp_group=ps.get_tensor_model_parallel_group(),
-        vocab_size=VOCAB,
-        vocab_start=engine.vocab_start,
-    )
-    outs = engine.run([mb], fn, forward_only=True)
+    outs = engine.run([mb], logprob_scoring_fn(engine.vocab_slice), forward_only=True)
     gap = torch.zeros(2, dtype=torch.float64)  # sum, count
     if ps.is_pipeline_last_stage():
         mcore = outs[0]["logprobs"][mb.response_mask]
@@ -141,10 +136,7 @@ def train_one_step(engine: ModelEngine, tokens, logprobs) -> None:
     norm = global_loss_normalisers(
         [mb.response_mask], [mb.fields["positive"]], len(samples), dp_cp_group=None, cp_size=1
     )
-    fn = policy_loss_fn(
-        algo_preset("vapo"), norm, tp_group=ps.get_tensor_model_parallel_group(),
-        vocab_size=VOCAB, vocab_start=engine.vocab_start,
-    )  # fmt: skip
+    fn = policy_loss_fn(algo_preset("vapo"), norm, engine.vocab_slice)
     engine.run([mb], fn)
     engine.step()
 
@@ -176,7 +168,7 @@ def main(hf_dir: str, engine_tp: int) -> None:
         engine = ModelEngine(hf, layout, head="lm", optim=OptimSettings(lr=3e-2, clip_grad=0.0))
         engine.load_hf(state_a)
         sync(engine, rollout)
-        tokens_a, logprobs_a = greedy(rollout)
+        tokens_a, logprobs_a = greedy(rollout, engine_tp)
         assert tokens_a == expected_a, (name, tokens_a, expected_a)
         gap = logprob_agreement(engine, tokens_a, logprobs_a)
         assert gap < 1e-4, f"{name}: mean |exp(logp_vllm - logp_mcore) - 1| = {gap}"
@@ -184,17 +176,19 @@ def main(hf_dir: str, engine_tp: int) -> None:
 
         train_one_step(engine, tokens_a, logprobs_a)
         sync(engine, rollout)
-        tokens_trained, _ = greedy(rollout)
+        tokens_trained, _ = greedy(rollout, engine_tp)
         assert tokens_trained != tokens_a, f"{name}: one optimizer step did not reach vLLM"
         assert tokens_trained == hf_greedy(gathered_state(engine)), name
         print(f"rank {rank}: {name}: the trained step is visible in vLLM's next generation")
 
         engine.load_hf(state_b)
         sync(engine, rollout)
-        assert greedy(rollout)[0] == expected_b, name
+        assert greedy(rollout, engine_tp)[0] == expected_b, name
         engine.load_hf(state_a)
         sync(engine, rollout)
-        assert greedy(rollout) == (tokens_a, logprobs_a), f"{name}: A -> B -> A is not exact"
+        assert greedy(rollout, engine_tp) == (tokens_a, logprobs_a), (
+            f"{name}: A -> B -> A is not exact"
+        )
         print(f"rank {rank}: {name}: A -> B -> A returns exactly A's tokens and log-probs")
     dist.barrier()
     # vLLM adopts the default group (TP=1) and tears it down with the engine: shut it down last.
