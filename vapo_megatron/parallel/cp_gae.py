@@ -103,3 +103,48 @@ def gae_context_parallel(
     advantages = (zero_carry + correction).masked_fill_(~mask, 0)
     returns = (advantages + chunk_values).masked_fill_(~mask, 0)
     return advantages.view(batch, local_len), returns.view(batch, local_len)
+
+
+def gae_context_parallel_packed(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    lam: torch.Tensor | float,
+    gamma: float,
+    cp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE for this rank's tokens of a packed (THD) batch under context parallelism.
+
+    rewards, values, response_mask: [N_local], each sequence's two chunks in order (as
+    ``split_packed_for_cp`` gives them); cu_seqlens_padded: [S + 1] boundaries of the *full*
+    padded sequences (multiples of 2 * CP); lam: [S] or a float. Returns (advantages,
+    returns), each [N_local]. The chunks are laid into dense rows [S, 2 * Lc_max] (shorter
+    chunks padded with masked tokens, which GAE skips) and handed to
+    :func:`gae_context_parallel`.
+    """
+    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    chunk_lens = cu_seqlens_padded.diff() // (2 * cp_size)  # [S]
+    num_seqs, width = chunk_lens.numel(), int(chunk_lens.max()) if chunk_lens.numel() else 0
+    if int(chunk_lens.sum()) * 2 != rewards.numel():
+        raise ValueError(
+            f"this rank holds {rewards.numel()} tokens, but cu_seqlens_padded "
+            f"{cu_seqlens_padded.tolist()} at CP={cp_size} gives {int(chunk_lens.sum()) * 2}"
+        )
+    # Destination of each local token in the dense [S, 2, width] layout.
+    seq = torch.repeat_interleave(torch.arange(num_seqs), 2 * chunk_lens)
+    offset_in_seq = torch.arange(rewards.numel()) - torch.repeat_interleave(
+        torch.cumsum(2 * chunk_lens, 0) - 2 * chunk_lens, 2 * chunk_lens
+    )
+    half = (offset_in_seq >= chunk_lens[seq]).long()
+    dest = seq * 2 * width + half * width + offset_in_seq - half * chunk_lens[seq]
+
+    def dense(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(num_seqs * 2 * width)
+        out[dest] = x
+        return out.view(num_seqs, 2 * width)
+
+    advantages, returns = gae_context_parallel(
+        dense(rewards), dense(values), dense(response_mask.bool()), lam, gamma, cp_group
+    )
+    return advantages.reshape(-1)[dest], returns.reshape(-1)[dest]

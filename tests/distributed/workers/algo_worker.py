@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from vapo_megatron.algorithms.gae import gae_padded, length_adaptive_lambda
+from vapo_megatron.algorithms.gae import gae_packed, gae_padded, length_adaptive_lambda
 from vapo_megatron.algorithms.losses import policy_loss, positive_nll_loss, value_loss
-from vapo_megatron.parallel.context_parallel import split_for_cp
-from vapo_megatron.parallel.cp_gae import gae_context_parallel
+from vapo_megatron.parallel.context_parallel import split_for_cp, split_packed_for_cp
+from vapo_megatron.parallel.cp_gae import gae_context_parallel, gae_context_parallel_packed
 from vapo_megatron.parallel.reductions import global_loss_normalisers, sum_metrics
 
 torch.set_default_dtype(torch.float64)
@@ -67,7 +67,20 @@ def check_cp_gae(cp: int) -> None:
         adv, ret = gae_context_parallel(*shard, lam, gamma, group)
         torch.testing.assert_close(adv, split_for_cp(ref_adv, cp, cp_rank), atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(ret, split_for_cp(ref_ret, cp, cp_rank), atol=1e-10, rtol=1e-10)
-    print(f"rank {rank}: CP={cp} GAE equals full-sequence GAE")
+        # Packed: the same rows cut to uneven lengths (multiples of 2 * CP), laid end to end.
+        lengths = torch.tensor([48, 8, 0, 40, 48, 24])
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        flat = [torch.cat([x[b, : lengths[b]] for b in range(6)]) for x in (rewards, values, mask)]
+        ref_adv, ref_ret = gae_packed(*flat, cu, lam, gamma)
+        shard = [split_packed_for_cp(x, cu, cp, cp_rank) for x in flat]
+        adv, ret = gae_context_parallel_packed(*shard, cu, lam, gamma, group)
+        torch.testing.assert_close(
+            adv, split_packed_for_cp(ref_adv, cu, cp, cp_rank), atol=1e-10, rtol=1e-10
+        )
+        torch.testing.assert_close(
+            ret, split_packed_for_cp(ref_ret, cu, cp, cp_rank), atol=1e-10, rtol=1e-10
+        )
+    print(f"rank {rank}: CP={cp} GAE equals full-sequence GAE, padded and packed")
 
 
 # ----- sharding invariance of the token-level losses -----
