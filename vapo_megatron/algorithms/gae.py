@@ -69,37 +69,40 @@ def reverse_discounted_cumsum(x: torch.Tensor, coef: torch.Tensor) -> torch.Tens
     next_first = torch.nn.functional.pad(first[:, 1:], (0, 1))  # [B, n]
     tail = torch.pow(coef[:, None], (chunk - offset).to(x.dtype)[None])  # [B, C]: coef^(C - t)
     carried = next_first[:, :, None] * tail[:, None, :]  # [B, n, C]
-    local = torch.baddbmm(carried, x_chunks, powers.transpose(1, 2))
+    local = carried.baddbmm_(x_chunks, powers.transpose(1, 2))  # in place: no new buffer
     return local.reshape(batch, padded)[:, :length]
 
 
 def _is_one_run_per_row(mask: torch.Tensor) -> bool:
-    """True when every row of mask [B, T] holds its true entries as one contiguous run (or none)."""
-    starts = mask[:, 0].int() + (mask[:, 1:] & ~mask[:, :-1]).sum(1)
-    return bool((starts <= 1).all())
+    """True when every row of mask [B, T] holds its true entries as one contiguous run (or none).
+
+    A row with k runs has 2k - [starts on] - [ends on] value changes; counted on a uint8 view
+    with an int32 sum (a bool sum would first copy the mask to int64).
+    """
+    bits = mask.view(torch.uint8)
+    changes = (bits[:, 1:] ^ bits[:, :-1]).sum(1, dtype=torch.int32)
+    return bool((changes + bits[:, 0] + bits[:, -1] <= 2).all())
 
 
 def _gae_rows(rewards, values, mask, lam, gamma):
     """GAE for rows [B, T] whose response tokens form one contiguous run per row (or none).
 
-    Deltas after the run are zeroed, so one scan over the whole row with the row's constant
+    Deltas off the run are zeroed, so one scan over the whole row with the row's constant
     coefficient gives the right advantages on the run; everything off the run is zeroed.
+    Each line below is one fused pass over [B, T] (this is memory-bound).
     """
-    batch, length = rewards.shape
+    batch = rewards.shape[0]
     dtype = torch.promote_types(rewards.dtype, torch.float32)
     rewards, values = rewards.to(dtype), values.to(dtype)
-    off = ~mask
-    # delta_t = r_t + gamma * V_{t+1} - V_t, with V after each row's last response token = 0.
+    keep = mask.to(dtype)
+    # delta_t = r_t + gamma * V_{t+1} - V_t; V_{t+1} counts only while t+1 is on the run, so the
+    # value after each row's last response token is 0 (terminal).
     deltas = torch.sub(rewards, values)
-    deltas[:, :-1].add_(values[:, 1:], alpha=gamma)
-    count = mask.sum(1)
-    last = mask.to(torch.uint8).argmax(1) + count - 1
-    rows = ((count > 0) & (last < length - 1)).nonzero().squeeze(1)
-    deltas[rows, last[rows]] -= gamma * values[rows, last[rows] + 1]
-    deltas.masked_fill_(off, 0)
+    deltas[:, :-1].addcmul_(values[:, 1:], keep[:, 1:], value=gamma)
+    deltas.mul_(keep)
     lam = torch.as_tensor(lam, dtype=dtype, device=rewards.device).expand(batch)
-    advantages = reverse_discounted_cumsum(deltas, gamma * lam).masked_fill_(off, 0)
-    returns = torch.add(advantages, values).masked_fill_(off, 0)
+    advantages = reverse_discounted_cumsum(deltas, gamma * lam).mul_(keep)
+    returns = torch.addcmul(advantages, values, keep)
     return advantages, returns
 
 
@@ -148,7 +151,8 @@ def gae_padded(
     """GAE on a padded batch.
 
     rewards, values, response_mask: [B, T] (the mask marks response tokens; prompt and
-    padding are 0, and may sit anywhere). lam: [B] per-sequence lambda or a float.
+    padding are 0, and may sit anywhere; rewards and values must be finite everywhere, since
+    masking multiplies by 0). lam: [B] per-sequence lambda or a float.
     Returns (advantages [B, T], returns [B, T]) with returns = advantages + values on response
     tokens and both 0 elsewhere. Float32 unless the inputs are float64.
     """
