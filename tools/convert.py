@@ -42,6 +42,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from vapo_megatron.models import checkpoint as ckpt  # noqa: E402
+from vapo_megatron.models import convert as conv  # noqa: E402
 from vapo_megatron.models import hf_io  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
 
@@ -120,20 +121,20 @@ def _parser() -> argparse.ArgumentParser:
 # ----- commands -----
 
 
-def _check_hf_to_mcore(args: argparse.Namespace) -> ckpt.HFSource:
+def _check_hf_to_mcore(args: argparse.Namespace) -> conv.HFSource:
     dtype = DTYPES[args.dtype] if args.dtype else None
-    source = ckpt.inspect_hf(args.hf, critic_from=args.critic_from, dtype=dtype)
-    ckpt.check_layout(source.hf, args.tp, args.pp)
-    ckpt.check_output_dir(args.out, force=args.force, inputs=[args.hf])
+    source = conv.inspect_hf(args.hf, critic_from=args.critic_from, dtype=dtype)
+    conv.check_layout(source.hf, args.tp, args.pp)
+    conv.check_output_dir(args.out, force=args.force, inputs=[args.hf])
     return source
 
 
-def _hf_to_mcore(args: argparse.Namespace, source: ckpt.HFSource) -> int:
+def _hf_to_mcore(args: argparse.Namespace, source: conv.HFSource) -> int:
     from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 
     initialize_megatron_cpu(tp=args.tp, pp=args.pp)
     start = time.perf_counter()
-    meta = ckpt.hf_to_mcore(source, args.out, force=args.force)
+    meta = conv.hf_to_mcore(source, args.out, force=args.force)
     seconds = time.perf_counter() - start
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, _peak_rss_gb())
@@ -166,7 +167,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
     _init_process_group(1)
     initialize_megatron_cpu(tp=1, pp=1)
     start = time.perf_counter()
-    meta = ckpt.mcore_to_hf(
+    meta = conv.mcore_to_hf(
         args.ckpt,
         args.out,
         hf_config_dir=args.hf_config,
@@ -202,7 +203,7 @@ def _check_verify(args: argparse.Namespace):
             "like with like (export a critic with mcore-to-hf to compare its trunk)"
         )
     ckpt.check_compatible(meta, hf, meta.head, args.ckpt)
-    ckpt.check_layout(hf, args.tp, args.pp)
+    conv.check_layout(hf, args.tp, args.pp)
     # bf16 tolerance when the conversion rounded the HF weights to bf16, else the weights are
     # the same numbers on both sides and only fp32 arithmetic differs.
     hf_dtypes = {info.dtype for info in hf_dir.tensors.values()}

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core.transformer.module import Float16Module
 
 from vapo_megatron.models import checkpoint as ckpt
+from vapo_megatron.models import convert as conv
 from vapo_megatron.models.hf_io import HFCheckpoint
 from vapo_megatron.models.provider import ModelLayout, build_model, transformer_config
 from vapo_megatron.models.record import ModelChunk
@@ -34,10 +35,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
 
 def convert(job: dict) -> None:
     initialize_megatron_cpu(tp=job["tp"], pp=job["pp"])
-    source = ckpt.inspect_hf(
+    source = conv.inspect_hf(
         job["hf"], critic_from=job.get("critic_from"), dtype=DTYPES[job.get("dtype")]
     )
-    ckpt.hf_to_mcore(source, job["out"])
+    conv.hf_to_mcore(source, job["out"])
 
 
 def load(job: dict) -> dict:
@@ -60,16 +61,16 @@ def load(job: dict) -> dict:
         ckpt.load_model_weights(chunks, job["ckpt"], hf=hf, head=head)
     except ValueError as error:
         return {"error": str(error)}
-    source = ckpt.inspect_hf(
+    source = conv.inspect_hf(
         job["hf"], critic_from=meta.origin.get("critic_from"), dtype=meta.torch_dtype
     )
     record = source.record()
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), job["tp"]
     chunk = ModelChunk.for_stage(config, ps.get_pipeline_model_parallel_rank())
     expected = record.hf_to_megatron_shards(
-        ckpt._hf_stream(source, record, chunk), tp_rank, tp, chunk
+        conv._hf_stream(source, record, chunk), tp_rank, tp, chunk
     )
-    params = dict(ckpt._unwrap(chunks[0]).named_parameters())
+    params = dict(ckpt.unwrap(chunks[0]).named_parameters())
     assert params.keys() == expected.keys(), sorted(params.keys() ^ expected.keys())
     unequal = [
         name
@@ -86,7 +87,7 @@ def main(plan_file: str) -> None:
         convert(job)
     results = {"loads": [load(job) for job in plan.get("loads", [])]}
     for job in plan.get("exports", []):
-        ckpt.mcore_to_hf(
+        conv.mcore_to_hf(
             job["ckpt"], job["out"], max_shard_bytes=job.get("max_shard_bytes", 5 * 10**9)
         )
     rank = int(os.environ.get("RANK", "0"))
