@@ -62,13 +62,18 @@ def gather_hf_weights(
     *,
     tp_group: dist.ProcessGroup | None,
     pp_rank: int,
+    only_to_tp_rank: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline rank's weights as full HF-named tensors, gathered over ``tp_group``.
 
     Yields in the record's order, one Megatron tensor at a time (so at most one full tensor
     plus its shards is alive). Collective: every rank of the TP group must iterate to the end.
+    With ``only_to_tp_rank``, shards are gathered to that member of the TP group alone, and
+    only it yields tensors (the others yield nothing; their iteration only sends shards).
     """
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    receives = only_to_tp_rank is None or only_to_tp_rank == tp_rank
     for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
         params = dict(unwrap_model(model).named_parameters())
         for name, m in record.tensor_maps(chunk).items():
@@ -76,8 +81,13 @@ def gather_hf_weights(
                 continue
             local = params[name].detach()
             if tp_size > 1 and m.split is not Split.REPLICATED:
-                shards = [torch.empty_like(local) for _ in range(tp_size)]
-                dist.all_gather(shards, local.contiguous(), group=tp_group)
+                shards = [torch.empty_like(local) for _ in range(tp_size)] if receives else None
+                if only_to_tp_rank is None:
+                    dist.all_gather(shards, local.contiguous(), group=tp_group)
+                else:
+                    dst = dist.get_global_rank(tp_group, only_to_tp_rank)
+                    dist.gather(local.contiguous(), shards, dst=dst, group=tp_group)
             else:
                 shards = [local] * tp_size
-            yield from record.megatron_to_hf(name, shards, chunk)
+            if receives:
+                yield from record.megatron_to_hf(name, shards, chunk)

@@ -62,16 +62,16 @@ def run_local_ranks(
         )
     deadline = None if timeout is None else time.monotonic() + timeout
     timed_out = False
-    for p in procs:
-        try:
-            p.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
+    # Poll every rank: the first one to fail stops the group (the others would wait on it).
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        if deadline is not None and time.monotonic() > deadline:
             timed_out = True
             break
-        if p.returncode != 0:
-            break  # one rank failed: the others may wait on it forever
-    if timed_out or any(p.returncode not in (0, None) for p in procs):
-        for p in procs:
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
             p.kill()
     for p in procs:
         p.wait()

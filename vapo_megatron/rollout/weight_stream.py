@@ -7,6 +7,10 @@ time, over the pipeline group, so every rank ends up with every tensor, in one f
 (stage 0's tensors, then stage 1's, ...; within a stage, the record's order), while holding at
 most one bucket beyond its own shards. Receivers know every name, shape and dtype in advance
 from the record, so a bucket travels as one flat buffer.
+
+With ``receiver`` (one engine for the whole model replica, e.g. a TP>1 vLLM engine on one
+rank), only that rank receives tensors: each stage gathers its shards to its first TP rank
+alone, and the stages' first TP ranks send their buckets point to point to the receiver.
 """
 
 from __future__ import annotations
@@ -40,15 +44,22 @@ def stream_policy_weights(
     tp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
     bucket_bytes: int,
+    receiver: int | None = None,
 ) -> Iterator[list[NamedTensor]]:
-    """Buckets of the whole model's full HF-named tensors, on every rank.
+    """Buckets of the whole model's full HF-named tensors: on every rank, or on ``receiver``.
 
-    Collective over the TP and PP groups: every rank must consume the iterator to the end.
-    Tensors come in the parameters' dtype (``config.params_dtype``).
+    Collective over the TP and PP groups: every rank of the model replica must consume the
+    iterator to the end. ``receiver`` (a global rank) must be the first TP rank of its stage
+    in this replica; other ranks then yield nothing. Tensors come in the parameters' dtype
+    (``config.params_dtype``).
     """
+    if receiver is not None:
+        yield from _stream_to_receiver(
+            models, record, config, tp_group, pp_group, bucket_bytes, receiver
+        )
+        return
     pp_size = 1 if pp_group is None else dist.get_world_size(pp_group)
     pp_rank = 0 if pp_group is None else dist.get_rank(pp_group)
-    dtype = config.params_dtype
     for stage in range(pp_size):
         own = stage == pp_rank
         gathered = (
@@ -60,18 +71,58 @@ def stream_policy_weights(
             yield from iter_buckets(gathered, bucket_bytes)
             continue
         source = dist.get_global_rank(pp_group, stage)
-        for plan in iter_buckets(_stage_plan(record, config, stage, dtype), bucket_bytes):
-            flat = torch.empty(sum(meta.numel() for _, meta in plan), dtype=dtype)
-            views, offset = [], 0
-            for name, meta in plan:
-                view = flat[offset : offset + meta.numel()].view(meta.shape)
-                offset += meta.numel()
-                if own:
-                    got_name, tensor = next(gathered)
-                    assert got_name == name, (got_name, name)  # record order on both sides
-                    view.copy_(tensor)
-                views.append((name, view))
+        for views, flat in _bucket_buffers(
+            record, config, stage, bucket_bytes, gathered if own else None
+        ):
             dist.broadcast(flat, src=source, group=pp_group)
             yield views
         if own:
             assert next(gathered, None) is None, "the record's plan missed a tensor"
+
+
+def _bucket_buffers(record, config, stage, bucket_bytes, source):
+    """(views, flat buffer) per bucket of ``stage``'s plan; filled from ``source`` if given."""
+    dtype = config.params_dtype
+    for plan in iter_buckets(_stage_plan(record, config, stage, dtype), bucket_bytes):
+        flat = torch.empty(sum(meta.numel() for _, meta in plan), dtype=dtype)
+        views, offset = [], 0
+        for name, meta in plan:
+            view = flat[offset : offset + meta.numel()].view(meta.shape)
+            offset += meta.numel()
+            if source is not None:
+                got_name, tensor = next(source)
+                assert got_name == name, (got_name, name)  # record order on both sides
+                view.copy_(tensor)
+            views.append((name, view))
+        yield views, flat
+
+
+def _stream_to_receiver(models, record, config, tp_group, pp_group, bucket_bytes, receiver):
+    me = dist.get_rank()
+    tp_leader = tp_group is None or dist.get_rank(tp_group) == 0
+    gathered = gather_hf_weights(
+        models, record, config, tp_group=tp_group, pp_rank=0 if pp_group is None else dist.get_rank(pp_group),
+        only_to_tp_rank=0,
+    )  # fmt: skip
+    if not tp_leader:
+        for _ in gathered:  # only sends this rank's shards to its stage's first TP rank
+            pass
+        return
+    stages = [me] if pp_group is None else dist.get_process_group_ranks(pp_group)
+    if receiver not in stages:
+        raise ValueError(
+            f"receiver rank {receiver} must be the first TP rank of a pipeline stage of this "
+            f"model replica (pipeline ranks {stages})"
+        )
+    my_stage = stages.index(me)
+    if me != receiver:  # a stage's first TP rank: send the stage's buckets to the receiver
+        for _, flat in _bucket_buffers(record, config, my_stage, bucket_bytes, gathered):
+            dist.send(flat, dst=receiver)
+        return
+    for stage, rank in enumerate(stages):
+        if rank == me:
+            yield from iter_buckets(gathered, bucket_bytes)
+            continue
+        for views, flat in _bucket_buffers(record, config, stage, bucket_bytes, None):
+            dist.recv(flat, src=rank)
+            yield views

@@ -38,19 +38,29 @@ def main() -> None:
             initialize_megatron_cpu(tp=tp, pp=pp)
             engine = ModelEngine(hf, ModelLayout(tp=tp, pp=pp), head="lm", optim=OptimSettings())
             engine.load_hf(reference)
-            names = []
-            for bucket in stream_policy_weights(
-                engine.chunks, engine.record, engine.config, tp_group=ps.get_tensor_model_parallel_group(),
-                pp_group=ps.get_pipeline_model_parallel_group(), bucket_bytes=BUCKET,
-            ):  # fmt: skip
-                size = sum(t.numel() * t.element_size() for _, t in bucket)
-                assert size <= BUCKET or len(bucket) == 1, (size, len(bucket))
-                for name, tensor in bucket:
-                    assert torch.equal(tensor, reference[name]), name
-                    names.append(name)
-            assert sorted(names) == sorted(reference), set(names) ^ set(reference)
-            assert len(names) == len(set(names))
-            print(f"rank {dist.get_rank()}: tie={tie} TP{tp}xPP{pp}: {len(names)} tensors exact")
+            # One receiver serves one model replica: only that replica streams to it.
+            for receiver in (None, 0) if ps.get_data_parallel_rank() == 0 else (None,):
+                names = []
+                for bucket in stream_policy_weights(
+                    engine.chunks, engine.record, engine.config,
+                    tp_group=ps.get_tensor_model_parallel_group(),
+                    pp_group=ps.get_pipeline_model_parallel_group(), bucket_bytes=BUCKET,
+                    receiver=receiver,
+                ):  # fmt: skip
+                    size = sum(t.numel() * t.element_size() for _, t in bucket)
+                    assert size <= BUCKET or len(bucket) == 1, (size, len(bucket))
+                    for name, tensor in bucket:
+                        assert torch.equal(tensor, reference[name]), name
+                        names.append(name)
+                if receiver is not None and dist.get_rank() != receiver:
+                    assert names == [], f"rank {dist.get_rank()} received {len(names)} tensors"
+                    continue
+                assert sorted(names) == sorted(reference), set(names) ^ set(reference)
+                assert len(names) == len(set(names))
+                who = "every rank" if receiver is None else f"receiver {receiver} only"
+                print(
+                    f"rank {dist.get_rank()}: tie={tie} TP{tp}xPP{pp} to {who}: {len(names)} tensors exact"
+                )
     destroy()
 
 

@@ -67,19 +67,19 @@ def hf_greedy(state: dict[str, torch.Tensor]) -> list[list[int]]:
     return out
 
 
-def sync(engine: ModelEngine, rollout: RolloutEngine | None) -> None:
-    """Stream the policy into this rank's engine (every rank takes part in the stream)."""
+def sync(engine: ModelEngine, rollout: RolloutEngine | None, engine_tp: int) -> None:
+    """Stream the policy into the engines. Every rank takes part; with one TP>1 engine on
+    rank 0, only rank 0 receives tensors (the others only send their shards)."""
     buckets = stream_policy_weights(
         engine.chunks, engine.record, engine.config,
         tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
-        bucket_bytes=256 * 1024,
+        bucket_bytes=256 * 1024, receiver=None if engine_tp == 1 else 0,
     )  # fmt: skip
-    named = (named for bucket in buckets for named in bucket)
+    named = [named for bucket in buckets for named in bucket] if rollout is None else None
     if rollout is None:
-        for _ in named:
-            pass
+        assert named == [], "a rank without an engine received tensors"
     else:
-        rollout.update_weights(named)
+        rollout.update_weights(named for bucket in buckets for named in bucket)
 
 
 def greedy(rollout: RolloutEngine | None, engine_tp: int):
@@ -167,7 +167,7 @@ def main(hf_dir: str, engine_tp: int) -> None:
         initialize_megatron_cpu(tp=layout.tp, pp=layout.pp)
         engine = ModelEngine(hf, layout, head="lm", optim=OptimSettings(lr=3e-2, clip_grad=0.0))
         engine.load_hf(state_a)
-        sync(engine, rollout)
+        sync(engine, rollout, engine_tp)
         tokens_a, logprobs_a = greedy(rollout, engine_tp)
         assert tokens_a == expected_a, (name, tokens_a, expected_a)
         gap = logprob_agreement(engine, tokens_a, logprobs_a)
@@ -175,17 +175,17 @@ def main(hf_dir: str, engine_tp: int) -> None:
         print(f"rank {rank}: {name}: greedy equals transformers; logprob gap {gap:.2e}")
 
         train_one_step(engine, tokens_a, logprobs_a)
-        sync(engine, rollout)
+        sync(engine, rollout, engine_tp)
         tokens_trained, _ = greedy(rollout, engine_tp)
         assert tokens_trained != tokens_a, f"{name}: one optimizer step did not reach vLLM"
         assert tokens_trained == hf_greedy(gathered_state(engine)), name
         print(f"rank {rank}: {name}: the trained step is visible in vLLM's next generation")
 
         engine.load_hf(state_b)
-        sync(engine, rollout)
+        sync(engine, rollout, engine_tp)
         assert greedy(rollout, engine_tp)[0] == expected_b, name
         engine.load_hf(state_a)
-        sync(engine, rollout)
+        sync(engine, rollout, engine_tp)
         assert greedy(rollout, engine_tp) == (tokens_a, logprobs_a), (
             f"{name}: A -> B -> A is not exact"
         )
