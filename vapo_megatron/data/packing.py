@@ -54,6 +54,22 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _cp_multiple(cp_size: int) -> int:
+    """What each sequence's length must divide by: 2 * CP chunks under CP, anything without."""
+    return 2 * cp_size if cp_size > 1 else 1
+
+
+def _check(samples: Sequence[Sample]) -> list[str]:
+    """The field names every sample carries; ValueError for an empty batch or mixed fields."""
+    if not samples:
+        raise ValueError("a micro-batch needs at least one sample")
+    names = sorted(samples[0].fields)
+    for i, sample in enumerate(samples):
+        if sorted(sample.fields) != names:
+            raise ValueError(f"sample {i} has fields {sorted(sample.fields)}, sample 0 has {names}")
+    return names
+
+
 def _aligned(sample: Sample) -> tuple[torch.Tensor, ...]:
     """tokens, labels, response mask and label-aligned fields of one sample (unpadded)."""
     if not sample.prompt:
@@ -82,16 +98,16 @@ def pack(
 ) -> MicroBatch:
     """Pack samples into one THD row [1, t] for this CP rank.
 
-    Each sequence is padded to a multiple of 2 * cp_size (the padding is masked and never
+    Under CP each sequence is padded to a multiple of 2 * cp_size (the padding is masked and never
     attended to by real tokens); the last one further so the row's length is a multiple of
-    ``pad_multiple`` * 2 * cp_size (e.g. the TP size with sequence parallelism).
+    ``pad_multiple`` (times 2 * cp_size under CP; e.g. the TP size with sequence parallelism).
     """
+    names = _check(samples)
     aligned = [_aligned(s) for s in samples]
     lengths = [a[0].numel() for a in aligned]
-    padded = [_round_up(n, 2 * cp_size) for n in lengths]
-    total = _round_up(sum(padded), 2 * cp_size * pad_multiple)
+    padded = [_round_up(n, _cp_multiple(cp_size)) for n in lengths]
+    total = _round_up(sum(padded), _cp_multiple(cp_size) * pad_multiple)
     padded[-1] += total - sum(padded)
-    names = sorted(samples[0].fields) if samples else []
 
     def row(parts: list[torch.Tensor], dtype) -> torch.Tensor:
         out = torch.zeros(total, dtype=dtype)
@@ -137,11 +153,11 @@ def pack(
 def pad(
     samples: Sequence[Sample], *, cp_size: int = 1, cp_rank: int = 0, pad_multiple: int = 1
 ) -> MicroBatch:
-    """Right-pad samples into rows [b, s] for this CP rank; s is a multiple of 2 * cp_size *
-    pad_multiple."""
+    """Right-pad samples into rows [b, s] for this CP rank; s is a multiple of pad_multiple
+    (times 2 * cp_size under CP)."""
+    names = _check(samples)
     aligned = [_aligned(s) for s in samples]
-    width = _round_up(max(a[0].numel() for a in aligned), 2 * cp_size * pad_multiple)
-    names = sorted(samples[0].fields)
+    width = _round_up(max(a[0].numel() for a in aligned), _cp_multiple(cp_size) * pad_multiple)
 
     def rows(index: int, dtype, name: str | None = None) -> torch.Tensor:
         out = torch.zeros(len(aligned), width, dtype=dtype)
@@ -151,7 +167,7 @@ def pad(
         return out
 
     def split(x: torch.Tensor) -> torch.Tensor:
-        return split_for_cp(x, cp_size, cp_rank, dim=1)
+        return split_for_cp(x, cp_size, cp_rank, dim=1) if cp_size > 1 else x
 
     positions = torch.arange(width).expand(len(aligned), width)
     return MicroBatch(

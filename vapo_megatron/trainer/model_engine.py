@@ -150,6 +150,14 @@ class ModelEngine:
                 f"micro-batches must share one batch size and, with pp > 1, one length; got "
                 f"sizes {sorted(sizes)} and lengths {sorted(lengths)}: pad them to one shape"
             )
+        if self.layout.sequence_parallel and any(
+            mb.seq_length % (self.layout.tp * self.layout.cp) for mb in micro_batches
+        ):
+            raise ValueError(
+                f"with sequence parallelism every row length must divide by tp * cp = "
+                f"{self.layout.tp * self.layout.cp}, got {sorted(lengths)}: pack or pad with "
+                f"pad_multiple={self.layout.tp}"
+            )
         scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()
 
         def loss_func(micro_batch: MicroBatch, output: torch.Tensor):

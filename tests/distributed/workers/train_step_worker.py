@@ -134,8 +134,9 @@ def check_layout(name, layout, micro, packed, distributed_optimizer, refs, sampl
     mine = samples[dp_rank * len(samples) // dp : (dp_rank + 1) * len(samples) // dp]
     per = len(mine) // micro
     make = pack if packed else pad
-    # Under PP every micro-batch needs one shape: pad_multiple=16 rounds all to 16 tokens.
-    multiple = 16 if layout.pp > 1 else 1
+    # Under PP every micro-batch needs one shape: pad_multiple=16 rounds all to 16 tokens;
+    # sequence parallelism needs rows that divide by TP.
+    multiple = 16 if layout.pp > 1 else (layout.tp if layout.sequence_parallel else 1)
     mbs = [
         make(
             mine[i * per : (i + 1) * per], cp_size=layout.cp, cp_rank=cp_rank, pad_multiple=multiple

@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from vapo_megatron.data.packing import Sample, pack, pad
+from vapo_megatron.parallel.context_parallel import merge_from_cp
+
+pytestmark = pytest.mark.unit
+
+
+def samples():
+    return [
+        Sample([1, 2, 3], [4, 5], {"adv": torch.tensor([0.5, 0.6])}),
+        Sample([7], [8, 9, 10], {"adv": torch.tensor([1.0, 2.0, 3.0])}),
+    ]
+
+
+def test_label_aligned_padded():
+    mb = pad(samples())
+    assert mb.tokens.tolist() == [[1, 2, 3, 4, 5], [7, 8, 9, 10, 0]]
+    assert mb.labels.tolist() == [[2, 3, 4, 5, 0], [8, 9, 10, 0, 0]]
+    # The state before response token t is read at the token before it.
+    assert mb.response_mask.int().tolist() == [[0, 0, 1, 1, 0], [1, 1, 1, 0, 0]]
+    assert mb.fields["adv"][0, 2:4].tolist() == pytest.approx([0.5, 0.6])
+    assert mb.labels[mb.response_mask].tolist() == [4, 5, 8, 9, 10]
+    assert (mb.seq_length, mb.num_seqs) == (5, 2)
+
+
+def test_packed_layout_and_cp_split():
+    mb = pack(samples())
+    assert mb.tokens.tolist() == [[1, 2, 3, 4, 5, 7, 8, 9, 10]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]
+    assert mb.packed_seq_params.cu_seqlens_q.tolist() == [0, 5, 9]
+    assert mb.packed_seq_params.cu_seqlens_q_padded.tolist() == [0, 5, 9]
+    assert mb.labels[mb.response_mask].tolist() == [4, 5, 8, 9, 10]
+    # CP=2: each sequence padded to a multiple of 4, rank r keeps chunks r and 3 - r.
+    shards = [pack(samples(), cp_size=2, cp_rank=r) for r in range(2)]
+    assert shards[0].packed_seq_params.cu_seqlens_q_padded.tolist() == [0, 8, 12]
+    full = pack(samples(), cp_size=1, pad_multiple=1)
+    assert full.labels[full.response_mask].tolist() == [4, 5, 8, 9, 10]
+    assert sum(int(s.response_mask.sum()) for s in shards) == 5
+    padded = [pad(samples(), cp_size=2, cp_rank=r) for r in range(2)]
+    assert torch.equal(
+        merge_from_cp([p.tokens for p in padded]), pad(samples(), pad_multiple=4).tokens
+    )
+
+
+def test_pad_multiple_gives_one_shape():
+    short = [Sample([1], [2])]
+    assert pad(short, pad_multiple=16).seq_length == 16
+    assert pack(short + short, pad_multiple=16).seq_length == 16
+
+
+def test_bad_samples():
+    with pytest.raises(ValueError, match="at least one sample"):
+        pack([])
+    with pytest.raises(ValueError, match="prompt token"):
+        pad([Sample([], [1])])
+    with pytest.raises(ValueError, match="one value per response token"):
+        pad([Sample([1], [2, 3], {"adv": torch.zeros(3)})])
+    with pytest.raises(ValueError, match="fields"):
+        pad([Sample([1], [2], {"adv": torch.zeros(1)}), Sample([1], [2])])
