@@ -125,10 +125,11 @@ def pack(
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
 
-    # Megatron's THD convention: cu_seqlens count real tokens, *_padded give the layout.
     def split(x: torch.Tensor) -> torch.Tensor:
         return split_packed_for_cp(x, cu_padded, cp_size, cp_rank) if cp_size > 1 else x
 
+    # Megatron's THD convention: cu_seqlens count real tokens, *_padded give the layout; the
+    # RoPE table must be the longest padded sequence (not the whole row) to restart per sequence.
     params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
