@@ -95,7 +95,10 @@ class HFCritic(torch.nn.Module):
 
 
 def reference_step(model, forward, loss_fn_factory, samples):
-    """One step on one process: loss on the whole batch, clip, AdamW. Returns loss, outputs."""
+    """One step on one process: loss on the whole batch, clip, AdamW.
+
+    Returns the gradient norm before clipping (Adam's update is blind to a wrong gradient
+    scale; the norm is not), the model's outputs and the updated weights."""
     mb = pad(samples)
     norm = global_loss_normalisers(
         [mb.response_mask], [mb.fields["positive"]], len(samples), dp_cp_group=None, cp_size=1
@@ -103,14 +106,14 @@ def reference_step(model, forward, loss_fn_factory, samples):
     output = forward(model, mb, attention_mask(samples, mb))
     loss, _ = loss_fn_factory(norm)(output, mb)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)
     opt = torch.optim.AdamW(
         model.parameters(), lr=OPTIM.lr, betas=(OPTIM.adam_beta1, OPTIM.adam_beta2),
         eps=OPTIM.adam_eps, weight_decay=0.0,
     )  # fmt: skip
     opt.step()
     return (
-        loss.item(),
+        grad_norm.item(),
         output.detach(),
         {k: v.detach().clone() for k, v in model.state_dict().items()},
     )
@@ -160,13 +163,14 @@ def check_layout(name, layout, micro, packed, distributed_optimizer, refs, sampl
             if last_stage:
                 print(f"{name}: critic values max diff {check_values(outs, mbs):.2e}")
         outs = engine.run(mbs, factory(norm))
-        engine.step()
+        grad_norm = engine.step()["grad_norm"]
         loss = torch.tensor(0.0, dtype=torch.float64)
         if last_stage:
             key = "pg_loss" if head == "lm" else "value_loss"
             loss += sum(float(o[key]) for o in outs)
         torch.distributed.all_reduce(loss, group=groups.dp_cp)
-        ref_loss, _, ref_sd = refs[head]
+        ref_grad_norm, _, ref_sd = refs[head]
+        assert abs(grad_norm / ref_grad_norm - 1) < 1e-5, (name, head, grad_norm, ref_grad_norm)
         if last_stage and head == "value":
             assert abs(loss.item() - refs["value_loss_only"]) < 1e-5, (
                 name,
@@ -184,7 +188,8 @@ def check_layout(name, layout, micro, packed, distributed_optimizer, refs, sampl
             worst = max(worst, (tensor - ref_sd[hf_name]).abs().max().item())
         assert worst < 2e-5, f"{name} {head}: updated weights differ by {worst}"
         print(
-            f"rank {torch.distributed.get_rank()}: {name} {head}: updated weights max diff {worst:.2e}"
+            f"rank {torch.distributed.get_rank()}: {name} {head}: updated weights max diff "
+            f"{worst:.2e}; grad norm {grad_norm:.6f} (reference {ref_grad_norm:.6f})"
         )
 
 
