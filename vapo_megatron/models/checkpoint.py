@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from vapo_megatron.models import hf_io
 from vapo_megatron.models.config import Head, HFModelConfig
@@ -189,7 +190,9 @@ def save_model_weights(
 
     Collective over the default process group. ``ckpt_dir`` must be empty or absent. Keep the
     entry script's work under ``if __name__ == "__main__":`` (the writer forks processes)."""
-    state = {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+    state = {
+        f"model{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)
+    }
     save_sharded_state(state, ckpt_dir, meta)
 
 
@@ -220,7 +223,7 @@ def load_model_weights(
 
     meta = load_metadata(ckpt_dir)
     check_compatible(meta, hf, head, ckpt_dir)
-    models = [unwrap(chunk) for chunk in chunks]
+    models = [unwrap_model(chunk) for chunk in chunks]
     sharded = {f"model{i}": model.sharded_state_dict() for i, model in enumerate(models)}
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
     for i, model in enumerate(models):
@@ -229,16 +232,6 @@ def load_model_weights(
         if missing or unexpected:
             raise ValueError(f"{ckpt_dir}: missing {missing[:8]}, unexpected {unexpected[:8]}")
     return meta
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers (their ``module.`` prefixes would
-    otherwise enter the checkpoint keys)."""
-    from megatron.core.models.gpt import GPTModel
-
-    while not isinstance(chunk, GPTModel) and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 @contextlib.contextmanager

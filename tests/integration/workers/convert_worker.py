@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import unwrap_model
 
 from vapo_megatron.models import checkpoint as ckpt
 from vapo_megatron.models import convert as conv
@@ -70,7 +71,7 @@ def load(job: dict) -> dict:
     expected = record.hf_to_megatron_shards(
         conv._hf_stream(source, record, chunk), tp_rank, tp, chunk
     )
-    params = dict(ckpt.unwrap(chunks[0]).named_parameters())
+    params = dict(unwrap_model(chunks[0]).named_parameters())
     assert params.keys() == expected.keys(), sorted(params.keys() ^ expected.keys())
     unequal = [
         name
