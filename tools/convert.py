@@ -21,8 +21,6 @@ import json
 import os
 import re
 import resource
-import socket
-import subprocess
 import sys
 import time
 import warnings
@@ -45,6 +43,7 @@ from vapo_megatron.models import checkpoint as ckpt  # noqa: E402
 from vapo_megatron.models import convert as conv  # noqa: E402
 from vapo_megatron.models import hf_io  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
+from vapo_megatron.parallel.local_launch import relaunch_as_local_ranks  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # verify: pass when max |diff| <= atol + rtol * max |reference| and the next-token argmax agrees
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             checked = _check_verify(args)
         if "WORLD_SIZE" not in os.environ and world > 1:
-            return _launch_ranks(world)
+            return relaunch_as_local_ranks(world)
         _init_process_group(world)
         if args.command == "hf-to-mcore":
             return _hf_to_mcore(args, checked)
@@ -315,38 +314,6 @@ def _compare(ours: torch.Tensor, reference: torch.Tensor, precision: str, head: 
 
 
 # ----- processes -----
-
-
-def _launch_ranks(world_size: int) -> int:
-    """Run this command as ``world_size`` local gloo ranks; the first failure stops the rest."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    env.update(WORLD_SIZE=str(world_size), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, *sys.argv[1:]],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-        )
-        for rank in range(world_size)
-    ]
-    status = 0
-    try:
-        while procs:
-            for p in list(procs):
-                if p.poll() is None:
-                    continue
-                procs.remove(p)
-                if p.returncode != 0 and status == 0:
-                    status = p.returncode
-                    for other in procs:  # peers would wait for it in a collective forever
-                        other.terminate()
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            p.kill()
-    return status if status >= 0 else 1
 
 
 def _init_process_group(world: int) -> None:

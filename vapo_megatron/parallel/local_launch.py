@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -26,6 +27,11 @@ def free_port() -> int:
 class LaunchError(RuntimeError):
     """A rank failed or the group timed out; the message holds every rank's log tail."""
 
+    def __init__(self, message: str, returncodes: Sequence[int | None] = ()) -> None:
+        super().__init__(message)
+        self.returncodes = list(returncodes)
+        """Each rank's exit status (negative: killed by that signal)."""
+
 
 def run_local_ranks(
     command: Sequence[str],
@@ -35,8 +41,15 @@ def run_local_ranks(
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
     threads_per_rank: int = 1,
+    console_rank: int | None = None,
+    log_dir: str | Path | None = None,
 ) -> list[str]:
-    """Run ``command`` as ``world_size`` ranks; return each rank's output (stdout + stderr)."""
+    """Run ``command`` as ``world_size`` ranks; return each rank's output (stdout + stderr).
+
+    ``console_rank``: that rank writes to this process's stdout/stderr (a user watching a
+    run sees its progress) instead of a file; its returned output is "". ``log_dir``: where
+    the other ranks' ``rank{r}.log`` files go (default: a new temporary directory).
+    """
     env_base = dict(os.environ if env is None else env)
     env_base.update(
         MASTER_ADDR="127.0.0.1",
@@ -44,18 +57,20 @@ def run_local_ranks(
         WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS=str(threads_per_rank),
     )
-    logdir = Path(tempfile.mkdtemp(prefix="vapo_ranks_"))
+    logdir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="vapo_ranks_"))
+    logdir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for rank in range(world_size):
         rank_env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank))
-        log = open(logdir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        to_console = rank == console_rank
+        log = None if to_console else open(logdir / f"rank{rank}.log", "w")  # noqa: SIM115
         logs.append(log)
         procs.append(
             subprocess.Popen(
                 list(command),
                 env=rank_env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                stdout=None if to_console else log,
+                stderr=None if to_console else subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=cwd,
             )  # fmt: skip
@@ -76,13 +91,46 @@ def run_local_ranks(
     for p in procs:
         p.wait()
     for log in logs:
-        log.close()
-    outputs = [(logdir / f"rank{r}.log").read_text() for r in range(world_size)]
+        if log is not None:
+            log.close()
+    outputs = [
+        "" if r == console_rank else (logdir / f"rank{r}.log").read_text()
+        for r in range(world_size)
+    ]
     if timed_out or any(p.returncode != 0 for p in procs):
         detail = "\n".join(
             f"----- rank {r} (rc={p.returncode}) -----\n{out[-6000:]}"
             for r, (p, out) in enumerate(zip(procs, outputs, strict=True))
         )
         why = f"timed out after {timeout:.0f}s" if timed_out else "a rank failed"
-        raise LaunchError(f"{' '.join(command)} x{world_size}: {why}\n{detail}")
+        raise LaunchError(
+            f"{' '.join(command)} x{world_size}: {why}\n{detail}", [p.returncode for p in procs]
+        )
     return outputs
+
+
+def under_launcher() -> bool:
+    """Whether this process is one rank of a launched group (torchrun, srun, run_local_ranks)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def relaunch_as_local_ranks(world_size: int, *, log_dir: str | Path | None = None) -> int:
+    """Start this very command (``sys.executable sys.argv``) as ``world_size`` local gloo
+    ranks, rank 0 on this console and the others logging to ``log_dir``; return an exit code.
+
+    For command-line tools started plainly; under torchrun/srun each process is already a rank.
+    """
+    try:
+        run_local_ranks(
+            [sys.executable, *sys.argv],
+            world_size,
+            timeout=None,
+            threads_per_rank=int(os.environ.get("OMP_NUM_THREADS", "1")),
+            console_rank=0,
+            log_dir=log_dir,
+        )
+    except LaunchError as err:
+        print(str(err), file=sys.stderr)
+        # The first rank that failed by itself (the others were killed after it).
+        return next((code for code in err.returncodes if code and code > 0), 1)
+    return 0

@@ -1,0 +1,120 @@
+"""The step's samples -> this rank's micro-batches for one model.
+
+Every rank holds the whole step's samples (``Trajectory`` lists are identical everywhere).
+A model's data-parallel rank takes its share, balanced by token count; its context-parallel
+ranks split each micro-batch's sequences (``data/packing.py``). Per-token results come back
+through a ``flat_index`` field: the position of each response token in the step's flat
+response-token buffer, so a sample's results stay attached to it however the samples are
+reordered, packed or split (verl #1440, #2185 lost them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from vapo_megatron.data.packing import MicroBatch, Sample, pack
+from vapo_megatron.models.provider import ModelLayout
+
+FLAT_INDEX = "flat_index"
+
+
+def response_offsets(lengths: Sequence[int]) -> torch.Tensor:
+    """[S + 1] start of each sample's response tokens in the flat buffer (cu_seqlens)."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    out[1:] = torch.tensor(list(lengths), dtype=torch.long).cumsum(0)
+    return out
+
+
+def dp_share(token_counts: Sequence[int], dp_size: int, dp_rank: int) -> list[int]:
+    """Indices of the samples data-parallel rank ``dp_rank`` takes, balanced by tokens.
+
+    Longest first, each to the rank with the fewest tokens so far (ties: lowest rank, then
+    the sample's index), so the assignment is the same on every rank and independent of
+    anything but the counts. Returned in ascending sample order.
+    """
+    order = sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i))
+    loads = [0] * dp_size
+    mine = []
+    for i in order:
+        rank = min(range(dp_size), key=lambda r: (loads[r], r))
+        loads[rank] += token_counts[i]
+        if rank == dp_rank:
+            mine.append(i)
+    return sorted(mine)
+
+
+def micro_batches(
+    samples: Sequence[Sample],
+    layout: ModelLayout,
+    *,
+    cp_rank: int,
+    token_budget: int,
+    field_names: Sequence[str],
+) -> list[MicroBatch]:
+    """Pack ``samples`` into micro-batches of at most ``token_budget`` tokens each (a longer
+    sample gets one of its own). With no samples, one micro-batch with nothing to learn from
+    (this rank still takes part in every collective). Under PP every micro-batch has one
+    length; under SP rows divide by TP."""
+    if not samples:
+        return [empty_micro_batch(layout, cp_rank=cp_rank, field_names=field_names)]
+    cp_multiple = 2 * layout.cp if layout.cp > 1 else 1
+    groups: list[list[Sample]] = [[]]
+    used = 0
+    for sample in samples:
+        length = -(-(len(sample.prompt) + len(sample.response)) // cp_multiple) * cp_multiple
+        if groups[-1] and used + length > token_budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(sample)
+        used += length
+    tp_multiple = layout.tp if layout.sequence_parallel else 1
+    pad_multiple = tp_multiple
+    if layout.pp > 1:  # one row length for the pipeline: the longest packed row, rounded
+        longest = max(_packed_length(g, cp_multiple) for g in groups)
+        unit = cp_multiple * tp_multiple
+        pad_multiple = -(-longest // unit) * unit // cp_multiple
+    return [
+        pack(group, cp_size=layout.cp, cp_rank=cp_rank, pad_multiple=pad_multiple)
+        for group in groups
+    ]
+
+
+def _packed_length(samples: Sequence[Sample], cp_multiple: int) -> int:
+    return sum(-(-(len(s.prompt) + len(s.response)) // cp_multiple) * cp_multiple for s in samples)
+
+
+def empty_micro_batch(
+    layout: ModelLayout, *, cp_rank: int, field_names: Sequence[str]
+) -> MicroBatch:
+    """A micro-batch whose every position is masked: zero loss, zero gradient, same collectives."""
+    length = 2 * layout.cp * max(layout.tp if layout.sequence_parallel else 1, 1)
+    fields = {name: torch.zeros(1) for name in field_names}
+    if FLAT_INDEX in fields:
+        fields[FLAT_INDEX] = torch.zeros(1, dtype=torch.long)
+    if "positive" in fields:
+        fields["positive"] = torch.zeros(1, dtype=torch.bool)
+    sample = Sample(prompt=[0] * (length - 1), response=[0], fields=fields)
+    mb = pack([sample], cp_size=layout.cp, cp_rank=cp_rank)
+    mb.response_mask.zero_()
+    mb.num_seqs = 0
+    return mb
+
+
+def build_samples(
+    prompts: Sequence[list[int]],
+    responses: Sequence[list[int]],
+    indices: Sequence[int],
+    offsets: torch.Tensor,
+    fields: Callable[[int, slice], dict[str, torch.Tensor]] | None = None,
+) -> list[Sample]:
+    """Samples ``indices`` with their flat_index field (and ``fields(i, flat_slice)``)."""
+    out = []
+    for i in indices:
+        flat = slice(int(offsets[i]), int(offsets[i + 1]))
+        extra = {FLAT_INDEX: torch.arange(flat.start, flat.stop, dtype=torch.long)}
+        if fields is not None:
+            extra.update(fields(i, flat))
+        out.append(Sample(prompt=list(prompts[i]), response=list(responses[i]), fields=extra))
+    return out

@@ -1,0 +1,299 @@
+"""The trainer's config: one typed, nested, keyword-only dataclass tree, read from a YAML recipe.
+
+``TrainConfig`` is what ``vapo-train RECIPE.yaml key=value ...`` resolves to (see
+``recipe.py`` for loading, ``base:`` inheritance and overrides). Each field has a one-line
+doc; :meth:`TrainConfig.check` refuses impossible combinations with the fix in the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from vapo_megatron.algorithms.config import AlgoConfig
+from vapo_megatron.models.provider import ModelLayout
+from vapo_megatron.trainer.model_engine import OptimSettings
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSettings:
+    """The model both trainer and rollout start from."""
+
+    path: str
+    """HF directory of the initial policy: config.json, tokenizer and weights."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Training parameter dtype (Adam keeps fp32 main weights under bf16)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicySettings:
+    """The policy's layout, optimizer and optional Megatron checkpoint."""
+
+    layout: ModelLayout = field(default_factory=ModelLayout)
+    """TP/PP/CP/VPP/SP of the policy; data parallelism takes the remaining ranks."""
+    optim: OptimSettings = field(default_factory=lambda: OptimSettings(lr=1e-6))
+    """Adam and schedule (VAPO: lr 1e-6)."""
+    load: str | None = None
+    """Megatron checkpoint of the policy (tools/convert.py hf-to-mcore); None: read model.path's weights."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticSettings:
+    """The critic's layout, optimizer and where its weights come from."""
+
+    layout: ModelLayout = field(default_factory=ModelLayout)
+    """TP/PP/CP/VPP/SP of the critic, independent of the policy's."""
+    optim: OptimSettings = field(default_factory=lambda: OptimSettings(lr=2e-6))
+    """Adam and schedule (VAPO: lr 2e-6)."""
+    init_path: str | None = None
+    """critic_init=reward_model: a critic Megatron checkpoint (convert --critic-from reward-model) or an HF *ForSequenceClassification directory."""
+    pretrained: str | None = None
+    """A critic checkpoint saved by an earlier critic pretraining (run_dir/critic_pretrained); skips pretraining."""
+    value_head_init_std: float = 0.0
+    """critic_init=policy: std of the new value head's weights (0: values start at 0)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSettings:
+    """vLLM generation during training."""
+
+    tensor_parallel_size: int = 1
+    """vLLM TP per engine replica; world_size / this many replicas generate their share each."""
+    temperature: float = 1.0
+    """Sampling temperature (also applied to the policy's log-probs, never to the critic)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_new_tokens: int = 1024
+    """Longest response; longer ones are cut and marked truncated."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Engine weights and activations."""
+    max_model_len: int = 4096
+    """Longest prompt + response the engine accepts."""
+    kv_cache_bytes: int | None = None
+    """KV cache per engine rank; None: 1 GiB on CPU, gpu_memory_utilization on GPU."""
+    gpu_memory_utilization: float = 0.5
+    """GPU only: the share of device memory vLLM may take."""
+    enforce_eager: bool = True
+    """Skip torch.compile / CUDA graphs (fast start; set False on GPU for speed)."""
+    weight_bucket_bytes: int = 256 << 20
+    """Bytes per weight-sync message (extra memory of a sync is about one bucket)."""
+    logprob_gap_warn: float = 0.05
+    """Warn when mean |exp(logp_vllm - logp_megatron) - 1| exceeds this (a stale or broken sync)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSettings:
+    """Prompt datasets."""
+
+    train_path: str
+    """Parquet or JSONL in the DAPO-Math-17k schema or plain {prompt, answer}."""
+    eval_path: str | None = None
+    """Held-out prompts for avg@k / pass@k (e.g. AIME 2024)."""
+    template: Literal["dapo", "chat", "raw"] = "dapo"
+    """How a prompt becomes tokens: DAPO's instruction, the tokenizer's chat template, or raw text."""
+    dedup: bool = False
+    """Drop repeated (prompt, answer) rows (the published DAPO-Math-17k repeats each ~100x)."""
+    max_prompt_tokens: int = 2048
+    """Longer prompts are counted, logged skips."""
+    max_bad_fraction: float = 0.01
+    """Error when more than this fraction of rows is skipped as bad or too long."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (deterministic from trainer.seed)."""
+    default_data_source: str = "math_dapo"
+    """data_source of plain {prompt, answer} rows (picks the grader)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardSettings:
+    """Verifiers."""
+
+    routing: dict[str, str] = field(default_factory=dict)
+    """Extra data_source -> grader name mappings on top of the defaults."""
+    timeout_s: float = 10.0
+    """A grader running longer scores the response as wrong (counted in grader_timeouts)."""
+    overlong_filter: bool = False
+    """Mask truncated responses out of the policy loss (DAPO's overlong filtering)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalSettings:
+    """Held-out evaluation with its own sampling (paper: AIME 2024, k=32, T=1.0, top_p=0.7)."""
+
+    every: int = 0
+    """Evaluate every this many steps (0: never during training)."""
+    at_start: bool = False
+    """Evaluate before the first step."""
+    at_end: bool = True
+    """Evaluate after the last step (when data.eval_path is set)."""
+    k: int = 32
+    """Samples per prompt: avg@k and pass@k."""
+    temperature: float = 1.0
+    """Eval sampling temperature."""
+    top_p: float = 0.7
+    """Eval nucleus sampling."""
+    max_new_tokens: int | None = None
+    """None: rollout.max_new_tokens."""
+    max_prompts: int | None = None
+    """Use only the first this-many eval prompts."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticPretrainSettings:
+    """Critic pretraining on Monte-Carlo returns of the frozen initial policy (steps: algorithm.value_pretrain_steps)."""
+
+    min_steps: int = 1
+    """Never stop earlier."""
+    ev_threshold: float = 0.5
+    """Stop early once explained variance is at least this and has plateaued."""
+    patience: int = 5
+    """Steps without min_delta improvement that count as a plateau."""
+    min_delta: float = 0.01
+    """Improvement of explained variance that resets the plateau count."""
+    offline_rollouts: str | None = None
+    """Fit from rollouts saved by an earlier run (a rollouts/ directory) instead of sampling."""
+    save_rollouts: bool = False
+    """Save each pretraining step's rollouts under run_dir/rollouts/ (for offline fits)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSettings:
+    """The loop: steps, batches, checkpoints, logging."""
+
+    steps: int = 100
+    """VAPO steps (after critic pretraining)."""
+    mini_batch_size: int = 512
+    """Samples per gradient step; the step's samples make several (paper: 8192 in 512s)."""
+    ppo_epochs: int = 1
+    """Passes over the step's samples."""
+    micro_batch_tokens: int = 16384
+    """Token budget of one packed micro-batch per rank (a longer sample gets one of its own)."""
+    whiten_advantages: bool = False
+    """Normalise advantages to zero mean, unit std over the step's response tokens."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: at most this many rollout rounds to fill the batch."""
+    seed: int = 1
+    """Seeds data order, sampling, initialisation."""
+    run_dir: str = "runs/default"
+    """Metrics, checkpoints, the resolved config and the exported policy go here."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from run_dir/checkpoints/latest when it exists; never: refuse a used run_dir."""
+    checkpoint_every: int = 0
+    """Save every this many steps (0: only at the end and on SIGTERM/SIGUSR1)."""
+    keep_last: int = 2
+    """Checkpoints kept."""
+    export_hf: bool = True
+    """Write the trained policy as an HF directory (run_dir/hf_policy) at the end."""
+    local_world_size: int = 1
+    """Ranks to start on this machine when launched plainly (torchrun/srun decide otherwise)."""
+    tensorboard: bool = True
+    """Write tensorboard events to run_dir/tensorboard."""
+    wandb_project: str | None = None
+    """Log to this wandb project too (needs the wandb extra)."""
+    progress_bar: bool = True
+    """A progress bar on rank 0's console."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One experiment."""
+
+    model: ModelSettings
+    """The initial policy."""
+    data: DataSettings
+    """Prompts."""
+    algorithm: AlgoConfig = field(default_factory=AlgoConfig)
+    """What the step computes (a preset plus overrides in YAML: algorithm.preset)."""
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    """Policy layout and optimizer."""
+    critic: CriticSettings = field(default_factory=CriticSettings)
+    """Critic layout, optimizer and initialisation."""
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    """Generation."""
+    reward: RewardSettings = field(default_factory=RewardSettings)
+    """Grading."""
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    """Held-out evaluation."""
+    critic_pretrain: CriticPretrainSettings = field(default_factory=CriticPretrainSettings)
+    """Critic pretraining's stop rule and rollouts."""
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    """The loop."""
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.algorithm.prompts_per_step * self.algorithm.samples_per_prompt
+
+    def check(self, world_size: int) -> None:
+        """ValueError naming the values and the fix for combinations that cannot run."""
+        algo, trainer, rollout = self.algorithm, self.trainer, self.rollout
+        layouts = [("policy", self.policy.layout)]
+        if algo.uses_critic:
+            layouts.append(("critic", self.critic.layout))
+        for name, layout in layouts:
+            ranks = layout.tp * layout.pp * layout.cp
+            if world_size % ranks:
+                raise ValueError(
+                    f"{name}.layout needs tp * pp * cp = {ranks} ranks per replica, which does "
+                    f"not divide the world size {world_size}; change {name}.layout or the number "
+                    "of ranks (trainer.local_world_size when started plainly)"
+                )
+        if world_size % rollout.tensor_parallel_size:
+            raise ValueError(
+                f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} does not divide the "
+                f"world size {world_size}; each group of that many ranks forms one vLLM engine"
+            )
+        if rollout.tensor_parallel_size != 1:
+            raise ValueError(
+                "rollout.tensor_parallel_size > 1 inside the training job needs colocated "
+                "engine replicas (vLLM external_launcher), which this version does not build "
+                "yet; set rollout.tensor_parallel_size=1"
+            )
+        if trainer.mini_batch_size < 1 or self.samples_per_step % trainer.mini_batch_size:
+            raise ValueError(
+                f"trainer.mini_batch_size={trainer.mini_batch_size} must divide the step's "
+                f"samples (algorithm.prompts_per_step x samples_per_prompt = "
+                f"{self.samples_per_step}); pick a divisor"
+            )
+        if trainer.steps < 0 or trainer.ppo_epochs < 1 or trainer.micro_batch_tokens < 1:
+            raise ValueError(
+                f"trainer.steps must be >= 0 and ppo_epochs, micro_batch_tokens >= 1; got "
+                f"{trainer.steps}, {trainer.ppo_epochs}, {trainer.micro_batch_tokens}"
+            )
+        if self.data.max_prompt_tokens + rollout.max_new_tokens > rollout.max_model_len:
+            raise ValueError(
+                f"data.max_prompt_tokens ({self.data.max_prompt_tokens}) + rollout.max_new_tokens "
+                f"({rollout.max_new_tokens}) exceeds rollout.max_model_len "
+                f"({rollout.max_model_len}); raise max_model_len or lower one of the others"
+            )
+        if (
+            algo.overlong_buffer_len is not None
+            and algo.overlong_buffer_len > rollout.max_new_tokens
+        ):
+            raise ValueError(
+                f"algorithm.overlong_buffer_len={algo.overlong_buffer_len} exceeds "
+                f"rollout.max_new_tokens={rollout.max_new_tokens}; lower it or set it to null"
+            )
+        if (self.eval.every or self.eval.at_start) and not self.data.eval_path:
+            raise ValueError(
+                "eval.every / eval.at_start need data.eval_path; set it or disable eval"
+            )
+        if self.eval.k < 1:
+            raise ValueError(f"eval.k must be >= 1, got {self.eval.k}")
+        if rollout.temperature <= 0 and algo.samples_per_prompt > 1:
+            raise ValueError(
+                f"rollout.temperature={rollout.temperature} is greedy: all "
+                f"{algo.samples_per_prompt} samples of a prompt would be the same; use a "
+                "temperature > 0 or samples_per_prompt=1"
+            )
+        if (
+            algo.uses_critic
+            and algo.critic_init == "reward_model"
+            and not (self.critic.init_path or self.critic.pretrained)
+        ):
+            raise ValueError(
+                "algorithm.critic_init=reward_model needs critic.init_path (a reward model: "
+                "tools/convert.py hf-to-mcore --critic-from reward-model, or an HF "
+                "*ForSequenceClassification directory); set it, or set "
+                "algorithm.critic_init=policy to start the critic from the policy's weights"
+            )
+        if trainer.keep_last < 1:
+            raise ValueError(f"trainer.keep_last must be >= 1, got {trainer.keep_last}")

@@ -1,0 +1,61 @@
+"""The scoring pass (no grad): per-response-token outputs of a model for the whole step.
+
+Each data-parallel rank of the model scores its share of the samples; the last pipeline
+stage's first tensor-parallel rank of each (data, context) rank then holds its tokens'
+outputs, keyed by their ``flat_index``. One gather over the world puts every token's output
+into the step's flat buffer on every rank, whatever the model's layout, so the policy and
+the critic may be split differently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from vapo_megatron.parallel.gather import all_gather_varlen
+from vapo_megatron.trainer.batching import FLAT_INDEX, build_samples, dp_share, micro_batches
+from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
+
+
+def score_flat(
+    engine: ModelEngine,
+    prompts: Sequence[list[int]],
+    responses: Sequence[list[int]],
+    *,
+    scoring_fn: LossFn,
+    output_key: str,
+    token_budget: int,
+) -> torch.Tensor:
+    """``output_key`` of ``scoring_fn`` for every response token of the step: [N] float32 in
+    flat order (sample by sample, token by token), on every rank."""
+    lengths = [len(r) for r in responses]
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.long).cumsum(0)
+    total = int(offsets[-1])
+    token_counts = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    mine = dp_share(token_counts, engine.dp_size, engine.dp_rank)
+    samples = build_samples(prompts, responses, mine, offsets)
+    mbs = micro_batches(
+        samples, engine.layout, cp_rank=engine.cp_rank, token_budget=token_budget,
+        field_names=[FLAT_INDEX],
+    )  # fmt: skip
+    outputs = engine.run(mbs, scoring_fn, forward_only=True)
+    index_parts, value_parts = [], []
+    if engine.is_last_stage and engine.tp_rank == 0:
+        for mb, out in zip(mbs, outputs, strict=True):
+            mask = mb.response_mask
+            index_parts.append(mb.fields[FLAT_INDEX][mask])
+            value_parts.append(out[output_key][mask].to(torch.float32))
+    index = torch.cat(index_parts) if index_parts else torch.zeros(0, dtype=torch.long)
+    value = torch.cat(value_parts) if value_parts else torch.zeros(0)
+    index, value = all_gather_varlen(index), all_gather_varlen(value)
+    if index.numel() != total or (total and torch.bincount(index, minlength=total).ne(1).any()):
+        raise RuntimeError(
+            f"scoring pass covered {index.numel()} of {total} response tokens on rank "
+            f"{dist.get_rank()} (layout {engine.layout}): every token must be scored once"
+        )
+    flat = torch.zeros(total, dtype=torch.float32)
+    flat[index] = value
+    return flat

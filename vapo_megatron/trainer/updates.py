@@ -1,0 +1,64 @@
+"""One gradient step of one model on one mini-batch of the step's samples.
+
+The model's data-parallel rank packs its share; the loss normalisers (response tokens,
+sequences, tokens of correct responses) are counted over all its micro-batches and reduced
+over the model's data x context group *before* the backward pass, so the update equals the
+single-device update of the whole mini-batch for any split (``parallel/reductions.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from vapo_megatron.data.packing import Sample
+from vapo_megatron.parallel.gather import all_gather_objects
+from vapo_megatron.parallel.reductions import LossNormalisers, global_loss_normalisers
+from vapo_megatron.trainer.batching import dp_share, micro_batches
+from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
+
+
+def train_on(
+    engine: ModelEngine,
+    samples: Sequence[Sample],
+    loss_fn_factory: Callable[[LossNormalisers], LossFn],
+    *,
+    field_names: Sequence[str],
+    token_budget: int,
+) -> dict[str, float]:
+    """Forward, backward and one optimizer step on ``samples`` (the whole mini-batch, the same
+    list on every rank). Returns the mini-batch's metrics (global means) on every rank."""
+    counts = [len(s.prompt) + len(s.response) for s in samples]
+    mine = [samples[i] for i in dp_share(counts, engine.dp_size, engine.dp_rank)]
+    mbs = micro_batches(
+        mine, engine.layout, cp_rank=engine.cp_rank, token_budget=token_budget,
+        field_names=field_names,
+    )  # fmt: skip
+    positive = [mb.fields.get("positive", torch.zeros_like(mb.response_mask)) for mb in mbs]
+    norm = global_loss_normalisers(
+        [mb.response_mask for mb in mbs], positive, len(mine),
+        dp_cp_group=engine.groups.parallel.dp_cp, cp_size=engine.layout.cp,
+    )  # fmt: skip
+    outputs = engine.run(mbs, loss_fn_factory(norm))
+    metrics = engine.step()
+    metrics.update(sum_shares(engine, outputs))
+    metrics["num_tokens"] = float(norm.num_tokens)
+    return metrics
+
+
+def sum_shares(engine: ModelEngine, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Sum metric shares over micro-batches and ranks: each is a share of a global mean, so the
+    sum is that mean. Only the last stage's first TP rank of each (data, context) rank counts."""
+    local: dict[str, float] = {}
+    if engine.is_last_stage and engine.tp_rank == 0:
+        for out in outputs:
+            for name, value in out.items():
+                if value.dim() == 0:
+                    local[name] = local.get(name, 0.0) + float(value)
+    total: dict[str, float] = {}
+    for part in all_gather_objects(local) if dist.get_world_size() > 1 else [local]:
+        for name, value in part.items():
+            total[name] = total.get(name, 0.0) + value
+    return total
