@@ -12,6 +12,7 @@ INSTALL_REQUIRES = [
     "torch>=2.6",
     "megatron-core==0.16.1",
     "numpy",
+    "pyarrow",  # prompt datasets in parquet (DAPO-Math-17k)
     "pyyaml",
     "safetensors",
     "sentencepiece",
