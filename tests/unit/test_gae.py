@@ -49,7 +49,8 @@ def random_batch(batch, length, seed, gaps):
         mask = (pos >= start) & (pos < stop)
     lams = torch.rand(batch, generator=gen, dtype=torch.float64)
     lams[0], lams[1 % batch] = 0.0, 1.0
-    return rewards, values, mask, lams
+    # Rewards on every response token (harder than VAPO's last-token reward), none off it.
+    return rewards * mask, values, mask, lams
 
 
 def test_paper_numbers():
@@ -85,7 +86,7 @@ def test_packed_matches_padded(gaps):
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     adv, ret = gae_packed(*flat, cu, lams, 0.97)
     cut = torch.arange(90)[None] < lengths[:, None]
-    ref_adv, ref_ret = gae_padded(rewards, values, mask & cut, lams, 0.97)
+    ref_adv, ref_ret = gae_padded(rewards * cut, values, mask & cut, lams, 0.97)
     torch.testing.assert_close(adv, ref_adv[cut], atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(ret, ref_ret[cut], atol=1e-12, rtol=1e-12)
 
@@ -175,3 +176,44 @@ def test_decoupled_gae_uses_two_lambdas():
     lam_p, lam_c = gae_lambdas(algo_preset("ppo"), lengths)
     assert lam_p.tolist() == lam_c.tolist() == [0.95] * 4
     assert math.isclose(float(gae_lambdas(cfg, lengths)[1][0]), 1.0)
+
+
+def test_reward_off_the_response_raises():
+    # The off-by-one DESIGN.md warns about: the reward one position after the last response
+    # token (on padding) would be dropped without a trace.
+    rewards = torch.zeros(3, 8)
+    mask = torch.zeros(3, 8, dtype=torch.bool)
+    mask[:, 2:5] = True
+    rewards[:, 4] = 1.0  # right: the last response token
+    gae_padded(rewards, torch.zeros(3, 8), mask, 1.0)
+    rewards[1, 5] = rewards[2, 5] = 1.0  # wrong: one past it
+    with pytest.raises(ValueError, match=r"2 nonzero reward\(s\).*\(1, 5\).*last response token"):
+        gae_padded(rewards, torch.zeros(3, 8), mask, 1.0)
+    with pytest.raises(ValueError, match=r"2 nonzero reward\(s\).*packed token 13"):
+        gae_packed(
+            rewards.reshape(-1),
+            torch.zeros(24),
+            mask.reshape(-1),
+            torch.tensor([0, 8, 16, 24]),
+            1.0,
+        )
+    cfg = algo_preset("vapo")
+    with pytest.raises(ValueError, match="last response token"):
+        decoupled_gae_padded(cfg, rewards, torch.zeros(3, 8), mask)
+    # Padding rows with zero reward stay fine, even when the mask is empty.
+    gae_padded(torch.zeros(2, 4), torch.randn(2, 4), torch.zeros(2, 4, dtype=torch.bool), 0.9)
+
+
+def test_reward_off_the_response_raises_under_cp():
+    from vapo_megatron.parallel.cp_gae import gae_context_parallel, gae_context_parallel_packed
+
+    rewards, mask = torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, :3] = True
+    rewards[0, 3] = 1.0
+    with pytest.raises(ValueError, match=r"1 nonzero reward\(s\).*CP shard \(0, 3\)"):
+        gae_context_parallel(rewards, torch.zeros(2, 8), mask, 1.0, 1.0, None)
+    with pytest.raises(ValueError, match=r"packed CP shard 3"):
+        gae_context_parallel_packed(
+            rewards.reshape(-1), torch.zeros(16), mask.reshape(-1), torch.tensor([0, 8, 16]),
+            1.0, 1.0, None,
+        )  # fmt: skip

@@ -79,6 +79,48 @@ def test_baselines():
     assert len(PRESETS) == 6 + 7
 
 
+# (prompts_per_step, samples_per_prompt, critic_init) of every preset. The paper: VAPO's group
+# sampling is 512 prompts x 16; its PPO baselines take 8192 prompts x 1. Its value pretraining
+# (VAPO, VC-PPO) and vanilla PPO start the critic from the reward model; ORZ from the policy.
+EXPECTED_BATCH_AND_CRITIC = {
+    "vapo": (512, 16, "reward_model"),
+    "ppo": (8192, 1, "reward_model"),
+    "vc_ppo": (8192, 1, "reward_model"),
+    "orz": (8192, 1, "policy"),
+    "grpo": (512, 16, None),
+    "dapo": (512, 16, None),
+    "vapo_without_group_sampling": (8192, 1, "reward_model"),
+    **{
+        f"vapo_without_{c}": (512, 16, "reward_model")
+        for c in VAPO_CHANGES_OFF
+        if c != "group_sampling"
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_batch_sizes_and_critic_init(name):
+    prompts, samples, critic_init = EXPECTED_BATCH_AND_CRITIC[name]
+    cfg = algo_preset(name)
+    assert (cfg.prompts_per_step, cfg.samples_per_prompt) == (prompts, samples)
+    if cfg.uses_critic:
+        assert cfg.critic_init == critic_init
+        assert PRESETS[name]["critic_init"] == critic_init  # said by the preset, not a default
+    # Same samples per step with and without group sampling.
+    assert prompts * samples == 8192
+
+
+def test_one_sample_per_prompt_still_validates():
+    assert algo_preset("ppo").samples_per_prompt == 1
+    assert algo_preset("vapo", critic_init="policy").critic_init == "policy"
+    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
+        algo_preset("dapo", samples_per_prompt=1)
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        algo_preset("ppo", dynamic_sampling=True)
+    with pytest.raises(ValueError, match="critic_init"):
+        algo_preset("vapo", critic_init="reward-model")
+
+
 def test_bad_configs_name_the_fix():
     with pytest.raises(ValueError, match="unknown algorithm preset"):
         algo_preset("vapo2")

@@ -141,3 +141,37 @@ def test_explained_variance_from_summed_shards():
     assert torch.isnan(
         explained_variance(explained_variance_stats(torch.ones(4), torch.zeros(4), torch.ones(4)))
     )
+
+
+@pytest.mark.parametrize("num_tokens", [100_000, 1_000_003])
+@pytest.mark.parametrize("num_off", [1, 3, 10])
+def test_explained_variance_of_constant_returns_is_nan(num_tokens, num_off):
+    # Every reward 1 under lambda = gamma = 1: float32 returns are 1.0, a few tokens one ulp
+    # off (float32 GAE arithmetic), values 1 +- 1e-4. Var(R) is then rounding noise (~1e-20);
+    # computed from sums it used to give EV ~ -9e7 here instead of "undefined".
+    gen = torch.Generator().manual_seed(num_off)
+    returns = torch.ones(num_tokens)
+    off = torch.randint(0, num_tokens, (num_off,), generator=gen)
+    one = torch.tensor(1.0)
+    up, down = torch.nextafter(one, torch.tensor(2.0)), torch.nextafter(one, torch.tensor(0.0))
+    returns[off] = torch.where(torch.rand(num_off, generator=gen) > 0.5, up, down)
+    values = 1 + 1e-4 * torch.randn(num_tokens, generator=gen)
+    mask = torch.ones(num_tokens, dtype=torch.bool)
+    stats = explained_variance_stats(returns, values, mask)
+    assert stats.dtype == torch.float64
+    assert torch.isnan(explained_variance(stats))
+    # Exactly constant returns, and no response tokens at all: NaN too.
+    assert torch.isnan(
+        explained_variance(explained_variance_stats(torch.ones(9), values[:9], mask[:9]))
+    )
+    assert torch.isnan(explained_variance(explained_variance_stats(returns, values, ~mask)))
+
+
+def test_explained_variance_keeps_small_but_real_variance():
+    # Returns 1 + 1e-3 * noise (relative variance 1e-6, far above rounding) still give an EV.
+    gen = torch.Generator().manual_seed(1)
+    returns = 1 + 1e-3 * torch.randn(10_000, generator=gen)
+    values = returns + 1e-4 * torch.randn(10_000, generator=gen)
+    mask = torch.ones(10_000)
+    ev = explained_variance(explained_variance_stats(returns, values, mask)).item()
+    assert ev == pytest.approx(0.99, abs=2e-3)

@@ -15,13 +15,13 @@ def gae_lambdas(
 
     Lengths are full-sequence counts (not a context-parallel shard's).
     """
-    batch = num_response_tokens.shape[0]
+    batch, device = num_response_tokens.shape[0], num_response_tokens.device
     if cfg.length_adaptive_alpha is not None:
         lam_policy = length_adaptive_lambda(num_response_tokens, cfg.length_adaptive_alpha)
     else:
-        lam_policy = torch.full((batch,), cfg.lambda_policy, dtype=torch.float64)
+        lam_policy = torch.full((batch,), cfg.lambda_policy, dtype=torch.float64, device=device)
     lam_critic = (
-        torch.full((batch,), cfg.lambda_critic, dtype=torch.float64)
+        torch.full((batch,), cfg.lambda_critic, dtype=torch.float64, device=device)
         if cfg.decoupled_gae
         else lam_policy
     )
@@ -49,8 +49,12 @@ def decoupled_gae_packed(
     cu_seqlens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As :func:`decoupled_gae_padded` for packed sequences [N] with boundaries cu_seqlens [S + 1]."""
-    seq_of_token = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1), cu_seqlens.diff())
-    lengths = torch.bincount(seq_of_token[response_mask.bool()], minlength=cu_seqlens.numel() - 1)
+    num_seqs = cu_seqlens.numel() - 1
+    cu_seqlens = cu_seqlens.to(rewards.device)
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(num_seqs, device=rewards.device), cu_seqlens.diff()
+    )
+    lengths = torch.bincount(seq_of_token[response_mask.bool()], minlength=num_seqs)
     lam_policy, lam_critic = gae_lambdas(cfg, lengths)
     advantages, _ = gae_packed(rewards, values, response_mask, cu_seqlens, lam_policy, cfg.gamma)
     _, returns = gae_packed(rewards, values, response_mask, cu_seqlens, lam_critic, cfg.gamma)

@@ -41,17 +41,17 @@ class AlgoConfig:
     value_clip: float | None = None
     """Clip the critic's new values to old +- value_clip in the value loss; None: off."""
     prompts_per_step: int = 512
-    """Prompts per training step (group sampling: fewer prompts...)."""
+    """Prompts per training step: 512 with VAPO's group sampling; the paper's PPO baselines take 8192."""
     samples_per_prompt: int = 16
-    """...more samples each."""
+    """Responses sampled per prompt: 16 with group sampling, 1 for PPO. (Mini-batches: the trainer's.)"""
     group_scale_by_std: bool = True
     """Group baseline only: divide by the group std (GRPO/DAPO) or not (mean-only)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and sample more until the step is full."""
     overlong_buffer_len: int | None = None
     """DAPO soft overlong punishment: the last this-many tokens before the max length are penalised; None: off."""
-    critic_init: Literal["policy", "reward_model"] = "policy"
-    """Where the critic's trunk comes from: the policy checkpoint or a reward model."""
+    critic_init: Literal["policy", "reward_model"] = "reward_model"
+    """Where the critic's weights start: a reward model (the paper) or the policy checkpoint."""
 
     def __post_init__(self) -> None:
         if self.advantage_estimator not in ("gae", "group"):
@@ -82,6 +82,16 @@ class AlgoConfig:
         if self.prompts_per_step < 1 or self.samples_per_prompt < 1:
             raise ValueError(
                 f"prompts_per_step and samples_per_prompt must be >= 1, got {self.prompts_per_step}, {self.samples_per_prompt}"
+            )
+        if self.critic_init not in ("policy", "reward_model"):
+            raise ValueError(
+                f"critic_init must be 'policy' or 'reward_model', got {self.critic_init!r}"
+            )
+        if self.dynamic_sampling and self.samples_per_prompt < 2:
+            raise ValueError(
+                "dynamic_sampling drops groups whose rewards are all equal, which is every group "
+                f"at samples_per_prompt={self.samples_per_prompt}; set samples_per_prompt >= 2 "
+                "or dynamic_sampling=false"
             )
         if self.advantage_estimator == "group":
             if self.samples_per_prompt < 2:

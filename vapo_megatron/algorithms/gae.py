@@ -5,7 +5,8 @@ response token t; ``rewards[t]`` is the reward received for token t (VAPO: the v
 at the last response token, 0 elsewhere); the value after the last response token is 0
 (terminal). Only tokens where ``response_mask`` is true take part: the recurrence runs over the
 response tokens of each sequence in order, and masked tokens are skipped (their advantage and
-return are 0).
+return are 0). A nonzero reward on a masked token is an error (it would be dropped silently):
+the usual cause is a reward placed one position after the last response token.
 
     delta_t = r_t + gamma * V_{t+1} - V_t          (V after the last response token = 0)
     A_t     = delta_t + gamma * lambda * A_{t+1}   (A after the last response token = 0)
@@ -129,6 +130,27 @@ def _gae_compacted(rewards, values, response_mask, row_of_token, num_rows, lam, 
     return advantages, returns
 
 
+def check_rewards_on_response(
+    rewards: torch.Tensor, response_mask: torch.Tensor, where: str = "position"
+) -> None:
+    """Raise ValueError if a nonzero reward sits on a token outside the response.
+
+    rewards, response_mask: one common shape ([B, T] or [N]); ``where`` names the position
+    format in the message. GAE skips masked tokens, so such a reward would vanish without a
+    trace; it is almost always an off-by-one in placing the verifier's score, which belongs
+    at the last response token.
+    """
+    stray = (rewards != 0) & ~response_mask.bool()
+    count = int(stray.sum())
+    if count:
+        first = stray.nonzero()[0].tolist()
+        raise ValueError(
+            f"{count} nonzero reward(s) on tokens outside response_mask (first at {where} "
+            f"{first[0] if len(first) == 1 else tuple(first)}); GAE would drop them. The reward "
+            f"belongs at the last response token (mask true), not one position after it."
+        )
+
+
 def _check_lambda(lam, num_rows: int):
     if isinstance(lam, torch.Tensor):
         if lam.shape != (num_rows,):
@@ -152,7 +174,8 @@ def gae_padded(
 
     rewards, values, response_mask: [B, T] (the mask marks response tokens; prompt and
     padding are 0, and may sit anywhere; rewards and values must be finite everywhere, since
-    masking multiplies by 0). lam: [B] per-sequence lambda or a float.
+    masking multiplies by 0; rewards must be 0 off the mask, else ValueError).
+    lam: [B] per-sequence lambda or a float.
     Returns (advantages [B, T], returns [B, T]) with returns = advantages + values on response
     tokens and both 0 elsewhere. Float32 unless the inputs are float64.
     """
@@ -161,6 +184,7 @@ def gae_padded(
             f"rewards, values and response_mask must share one [B, T] shape, got "
             f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}"
         )
+    check_rewards_on_response(rewards, response_mask, "(row, column)")
     batch, length = rewards.shape
     _check_lambda(lam, batch)
     mask = response_mask.bool()
@@ -183,8 +207,8 @@ def gae_packed(
     """GAE on packed sequences.
 
     rewards, values, response_mask: [N] flat tokens of S sequences laid end to end;
-    cu_seqlens: [S + 1] boundaries (0, ..., N); lam: [S] or a float.
-    Returns (advantages [N], returns [N]).
+    cu_seqlens: [S + 1] boundaries (0, ..., N), on any device; lam: [S] or a float. Rewards
+    must be 0 off the mask (else ValueError). Returns (advantages [N], returns [N]).
     """
     if rewards.dim() != 1 or rewards.shape != values.shape or rewards.shape != response_mask.shape:
         raise ValueError(
@@ -192,6 +216,7 @@ def gae_packed(
             f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}"
         )
     num_seqs = cu_seqlens.numel() - 1
+    cu_seqlens = cu_seqlens.to(rewards.device)
     if (
         int(cu_seqlens[0]) != 0
         or int(cu_seqlens[-1]) != rewards.numel()
@@ -201,5 +226,6 @@ def gae_packed(
             f"cu_seqlens must rise from 0 to the token count {rewards.numel()}, got {cu_seqlens.tolist()}"
         )
     _check_lambda(lam, num_seqs)
+    check_rewards_on_response(rewards, response_mask, "packed token")
     row = torch.repeat_interleave(torch.arange(num_seqs, device=rewards.device), cu_seqlens.diff())
     return _gae_compacted(rewards, values, response_mask.bool(), row, num_seqs, lam, gamma)

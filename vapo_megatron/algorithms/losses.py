@@ -166,23 +166,37 @@ def entropy_bonus(
     return mean, {"entropy": mean.detach()}
 
 
+EV_MIN_RELATIVE_VARIANCE = 1e-8
+"""explained_variance is NaN when Var(R) <= this * mean(R^2): the returns are constant up to
+rounding (every reward equal under lambda = gamma = 1), and the ratio would only amplify noise."""
+
+
 def explained_variance_stats(
     returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """Sufficient statistics [5] float64 for explained variance; sum them across shards."""
+    """Sufficient statistics [5] float64 for explained variance; sum them across shards.
+
+    returns, values, mask: [*]. Cast to float64 before any arithmetic, so R - V of float32
+    inputs carries no float32 rounding.
+    """
     m = mask.to(torch.float64)
     r = returns.detach().to(torch.float64) * m
-    e = (returns.detach() - values.detach()).to(torch.float64) * m
+    e = (returns.detach().to(torch.float64) - values.detach().to(torch.float64)) * m
     return torch.stack([m.sum(), r.sum(), (r * r).sum(), e.sum(), (e * e).sum()])
 
 
 def explained_variance(stats: torch.Tensor) -> torch.Tensor:
     """1 - Var(R - V) / Var(R) over response tokens, from summed ``explained_variance_stats``.
 
-    NaN when the returns have no variance (e.g. every reward equal under lambda = gamma = 1).
+    NaN (not a huge negative number) when the returns are constant up to rounding,
+    Var(R) <= EV_MIN_RELATIVE_VARIANCE * max(mean(R^2), tiny): e.g. every reward equal under
+    lambda = gamma = 1, where a variance of pure rounding noise (1e-20) would turn a critic
+    error of 1e-8 into an "explained variance" of -1e12. Also NaN without response tokens.
     """
-    n, r_sum, r_sq, e_sum, e_sq = stats.unbind()
+    n, r_sum, r_sq, e_sum, e_sq = stats.to(torch.float64).unbind()
     n = n.clamp(min=1)
-    var_r = r_sq / n - (r_sum / n) ** 2
+    mean_sq = r_sq / n
+    var_r = mean_sq - (r_sum / n) ** 2
     var_e = e_sq / n - (e_sum / n) ** 2
-    return torch.where(var_r > 0, 1 - var_e / var_r, torch.full_like(var_r, float("nan")))
+    floor = EV_MIN_RELATIVE_VARIANCE * mean_sq.clamp(min=torch.finfo(torch.float64).tiny)
+    return torch.where(var_r > floor, 1 - var_e / var_r, torch.full_like(var_r, float("nan")))

@@ -10,7 +10,9 @@ from dataclasses import replace
 
 from vapo_megatron.algorithms.config import AlgoConfig
 
-VAPO: dict = {}  # the AlgoConfig defaults are the paper's values
+# The AlgoConfig defaults are the paper's values; critic_init is spelled out because the
+# paper's value pretraining starts the critic from the reward model.
+VAPO: dict = {"critic_init": "reward_model"}
 
 # What switching off each change means (one row each in the paper's ablation table).
 VAPO_CHANGES_OFF: dict[str, dict] = {
@@ -20,8 +22,8 @@ VAPO_CHANGES_OFF: dict[str, dict] = {
     "token_level_loss": {"loss_aggregation": "seq-mean-token-mean"},
     "clip_higher": {"eps_high": 0.2},
     "positive_lm_loss": {"positive_nll_coef": 0.0},
-    # Same number of samples per step, spread over more prompts with fewer samples each.
-    "group_sampling": {"prompts_per_step": 1024, "samples_per_prompt": 8},
+    # Same number of samples per step (8192), as vanilla PPO draws them: one per prompt.
+    "group_sampling": {"prompts_per_step": 8192, "samples_per_prompt": 1},
 }
 
 _PPO = {
@@ -33,6 +35,9 @@ _PPO = {
     "eps_low": 0.2,
     "eps_high": 0.2,
     "positive_nll_coef": 0.0,
+    # The paper's PPO baselines sample 8192 prompts x 1 response per step.
+    "prompts_per_step": 8192,
+    "samples_per_prompt": 1,
 }
 _GROUP = {
     "advantage_estimator": "group",
@@ -42,13 +47,31 @@ _GROUP = {
 }
 
 PRESETS: dict[str, dict] = {
+    # VAPO: all seven changes; the critic starts from the reward model and is warmed up for
+    # 50 steps on the frozen policy's returns before policy updates.
     "vapo": VAPO,
-    # Vanilla PPO: one lambda = 0.95, sample-level loss, symmetric clip 0.2, critic from a reward model.
+    # Vanilla PPO: one lambda = 0.95, sample-level loss, symmetric clip 0.2; the critic starts
+    # from the reward model (no value pretraining).
     "ppo": {**_PPO, "critic_init": "reward_model"},
-    # VC-PPO: value pretraining and lambda_critic = 1, policy lambda 0.95.
-    "vc_ppo": {**_PPO, "value_pretrain_steps": 50, "decoupled_gae": True, "lambda_critic": 1.0},
-    # Open-Reasoner-Zero style PPO: lambda = gamma = 1.
-    "orz": {**_PPO, "lambda_policy": 1.0, "lambda_critic": 1.0, "gamma": 1.0},
+    # VC-PPO: value pretraining (critic from the reward model, 50 steps) and lambda_critic = 1,
+    # policy lambda 0.95.
+    "vc_ppo": {
+        **_PPO,
+        "critic_init": "reward_model",
+        "value_pretrain_steps": 50,
+        "decoupled_gae": True,
+        "lambda_critic": 1.0,
+    },
+    # Open-Reasoner-Zero style PPO: lambda = gamma = 1; ORZ starts its critic from the policy
+    # (base model) checkpoint.
+    "orz": {
+        **_PPO,
+        "critic_init": "policy",
+        "lambda_policy": 1.0,
+        "lambda_critic": 1.0,
+        "gamma": 1.0,
+    },
+    # GRPO and DAPO have no critic: critic_init is unused.
     "grpo": {**_GROUP, "loss_aggregation": "seq-mean-token-mean", "eps_low": 0.2, "eps_high": 0.2},
     # DAPO: clip-higher, token-level loss, dynamic sampling, soft overlong punishment.
     "dapo": {

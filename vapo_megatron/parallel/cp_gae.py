@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vapo_megatron.algorithms.gae import gae_padded
+from vapo_megatron.algorithms.gae import check_rewards_on_response, gae_padded
 from vapo_megatron.parallel.context_parallel import chunk_ids
 
 CARRY_FIELDS = ("count", "first_value", "first_zero_carry_advantage")
@@ -46,9 +46,11 @@ def gae_context_parallel(
     """GAE for this rank's shard of a padded batch.
 
     rewards, values, response_mask: [B, 2 * Lc], this rank's chunks r and 2 * CP - 1 - r of
-    every row (as ``split_for_cp`` gives them). lam: [B] (full-sequence lambdas) or a float.
+    every row (as ``split_for_cp`` gives them); rewards must be 0 off the mask (else
+    ValueError). lam: [B] (full-sequence lambdas) or a float.
     Returns (advantages, returns), each [B, 2 * Lc], equal to the full-sequence GAE's shards.
     """
+    check_rewards_on_response(rewards, response_mask, "(row, column) of this rank's CP shard")
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
     cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
     batch, local_len = rewards.shape
@@ -118,22 +120,24 @@ def gae_context_parallel_packed(
 
     rewards, values, response_mask: [N_local], each sequence's two chunks in order (as
     ``split_packed_for_cp`` gives them); cu_seqlens_padded: [S + 1] boundaries of the *full*
-    padded sequences (multiples of 2 * CP); lam: [S] or a float. Returns (advantages,
-    returns), each [N_local]. The chunks are laid into dense rows [S, 2 * Lc_max] (shorter
-    chunks padded with masked tokens, which GAE skips) and handed to
-    :func:`gae_context_parallel`.
+    padded sequences (multiples of 2 * CP), on any device; lam: [S] or a float. Rewards must
+    be 0 off the mask (else ValueError). Returns (advantages, returns), each [N_local]. The
+    chunks are laid into dense rows [S, 2 * Lc_max] (shorter chunks padded with masked tokens,
+    which GAE skips) and handed to :func:`gae_context_parallel`.
     """
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    chunk_lens = cu_seqlens_padded.diff() // (2 * cp_size)  # [S]
+    chunk_lens = cu_seqlens_padded.to(rewards.device).diff() // (2 * cp_size)  # [S]
     num_seqs, width = chunk_lens.numel(), int(chunk_lens.max()) if chunk_lens.numel() else 0
     if int(chunk_lens.sum()) * 2 != rewards.numel():
         raise ValueError(
             f"this rank holds {rewards.numel()} tokens, but cu_seqlens_padded "
             f"{cu_seqlens_padded.tolist()} at CP={cp_size} gives {int(chunk_lens.sum()) * 2}"
         )
+    check_rewards_on_response(rewards, response_mask, "token of this rank's packed CP shard")
     # Destination of each local token in the dense [S, 2, width] layout.
-    seq = torch.repeat_interleave(torch.arange(num_seqs), 2 * chunk_lens)
-    offset_in_seq = torch.arange(rewards.numel()) - torch.repeat_interleave(
+    device = rewards.device
+    seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), 2 * chunk_lens)
+    offset_in_seq = torch.arange(rewards.numel(), device=device) - torch.repeat_interleave(
         torch.cumsum(2 * chunk_lens, 0) - 2 * chunk_lens, 2 * chunk_lens
     )
     half = (offset_in_seq >= chunk_lens[seq]).long()

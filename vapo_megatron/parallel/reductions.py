@@ -47,7 +47,13 @@ def global_loss_normalisers(
         raise ValueError(
             f"got {len(response_masks)} response masks but {len(positive_masks)} positive masks"
         )
-    counts = torch.zeros(3, dtype=torch.float64)
+    if not response_masks:
+        raise ValueError(
+            "global_loss_normalisers needs at least one micro-batch (the counts live on its "
+            "device); give a rank without data one empty mask"
+        )
+    # On the masks' device: NCCL all-reduces only CUDA tensors.
+    counts = torch.zeros(3, dtype=torch.float64, device=response_masks[0].device)
     for mask, positive in zip(response_masks, positive_masks, strict=True):
         counts[0] += mask.sum()
         counts[2] += (mask.bool() & positive.bool()).sum()

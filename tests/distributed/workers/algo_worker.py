@@ -50,7 +50,7 @@ def gae_batch():
     mask[5, 5:20] = True
     lam = length_adaptive_lambda(mask.sum(1), 0.05)
     lam[1], lam[5] = 1.0, 0.0
-    return rewards, values, mask, lam
+    return rewards * mask, values, mask, lam  # GAE rejects rewards off the response
 
 
 def check_cp_gae(cp: int) -> None:
