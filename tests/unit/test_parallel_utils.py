@@ -32,6 +32,7 @@ def test_cp_gae_without_group_is_plain_gae():
     gen = torch.Generator().manual_seed(0)
     r, v = torch.randn(3, 20, generator=gen), torch.randn(3, 20, generator=gen)
     mask = torch.rand(3, 20, generator=gen) > 0.3
+    r = r * mask  # rewards sit on response tokens only (GAE rejects others)
     adv, ret = gae_context_parallel(r, v, mask, 0.9, 1.0, None)
     ref_adv, ref_ret = gae_padded(r, v, mask, 0.9, 1.0)
     torch.testing.assert_close(adv, ref_adv)
