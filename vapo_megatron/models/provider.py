@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -111,12 +111,14 @@ def default_layer_spec() -> ModuleSpec:
     return spec
 
 
-def _block_spec(config: TransformerConfig, layer_spec: ModuleSpec, vp_stage: int | None):
+def _block_spec(
+    config: TransformerConfig, layer_spec: ModuleSpec, vp_stage: int | None, pp_rank: int
+):
     """Layer spec -> block spec. With our RMSNorm in the layers, the final norm is ours too
     (megatron's default final norm is the torch fallback, which refuses sequence parallelism)."""
     if layer_spec.submodules.input_layernorm is not RMSNorm:
         return layer_spec
-    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * count, layer_norm=RMSNorm)
 
 
@@ -125,29 +127,46 @@ def build_model(
     config: TransformerConfig,
     *,
     head: Head,
+    pg_collection: ProcessGroupCollection | None = None,
     layer_spec: ModuleSpec | None = None,
 ) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage) of the policy or critic.
 
-    Needs ``parallel_state`` initialised with the layout's sizes. For ``head='value'`` the last
-    stage's output layer is a :class:`ValueHead` and the model returns values [b, s, 1].
+    ``pg_collection``: this model's groups (``ModelGroups.pg_collection``), with sizes equal to
+    the config's; None reads ``parallel_state``'s (which must then hold the config's layout).
+    For ``head='value'`` the last stage's output layer is a :class:`ValueHead` and the model
+    returns values [b, s, 1].
     """
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    sizes = {
+        "tp": (pg_collection.tp.size(), config.tensor_model_parallel_size),
+        "pp": (pg_collection.pp.size(), config.pipeline_model_parallel_size),
+        "cp": (pg_collection.cp.size(), config.context_parallel_size),
+    }
+    if any(have != want for have, want in sizes.values()):
+        raise ValueError(
+            f"process groups (size, config size) {sizes} disagree: build the groups with the "
+            f"layout the config was made from"
+        )
     if layer_spec is None:
         layer_spec = default_layer_spec()
     tp = config.tensor_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size
+    pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = None if vpp is None else vp_stage
-        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
-        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        pre = pp_rank == 0 and vp_stage == 0
+        post = pp_rank == pp_size - 1 and vp_stage == (vpp or 1) - 1
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_block_spec(config, layer_spec, stage),
+            transformer_layer_spec=_block_spec(config, layer_spec, stage, pp_rank),
             pre_process=pre,
             post_process=post,
             parallel_output=True,
             vp_stage=stage,
+            pg_collection=pg_collection,
             **hf.gpt_model_kwargs(tp, head),
         )
         if head == "value" and post:
@@ -156,7 +175,7 @@ def build_model(
             model.output_layer = ValueHead(
                 config.hidden_size,
                 sequence_parallel=config.sequence_parallel,
-                tp_group=parallel_state.get_tensor_model_parallel_group(),
+                tp_group=pg_collection.tp,
             )
         chunks.append(model)
     return chunks

@@ -109,25 +109,37 @@ def apply_cpu_shim() -> bool:
     return True
 
 
+def initialize_cpu_process_group() -> None:
+    """Start the gloo process group (once per process) and apply the shim.
+
+    Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``. Enough for models built on
+    their own groups (``parallel.model_groups.build_model_groups``); ``parallel_state`` stays
+    uninitialised.
+    """
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    apply_cpu_shim()
+
+
 def initialize_megatron_cpu(
     tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None, seed: int = 1234
 ) -> ParallelGroups:
     """Set up megatron-core's parallel state on CPU for this rank and return its groups.
 
-    Reads ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` to start the gloo process
-    group (once per process), applies the shim, initialises ``parallel_state`` with the given
-    tensor/pipeline/context/virtual-pipeline sizes (data parallelism takes the remaining
-    ranks) and seeds Megatron's RNG tracker. Calling it again switches to the new layout and
-    keeps the process group, so one launch can compare several layouts.
+    Starts the gloo process group (:func:`initialize_cpu_process_group`), initialises
+    ``parallel_state`` with the given tensor/pipeline/context/virtual-pipeline sizes (data
+    parallelism takes the remaining ranks) and seeds Megatron's RNG tracker. Calling it again
+    switches to the new layout and keeps the process group, so one launch can compare several
+    layouts.
     """
     # Megatron is imported on first use (it takes seconds), as in ``groups.py``.
     from megatron.core import parallel_state, tensor_parallel
 
-    if not dist.is_initialized():
-        dist.init_process_group(backend="gloo")
-    apply_cpu_shim()
+    initialize_cpu_process_group()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # build_model_groups may have created the scratch buffer this would create again.
+    parallel_state.destroy_global_memory_buffer()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,

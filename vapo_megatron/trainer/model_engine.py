@@ -6,6 +6,11 @@ the shares' gradients over micro-batches and data x context ranks. Megatron inst
 with a 2-tuple loss the schedule multiplies by cp_size and divides by the number of
 micro-batches, and DDP scales gradients by 1 / (dp * cp). The engine multiplies each share by
 num_microbatches * dp_size before handing it to Megatron, which cancels both exactly.
+
+Process groups. Each engine runs on its own :class:`ModelGroups` (``parallel/model_groups.py``),
+so the policy and the critic can take different layouts over the same ranks; everything here
+(model, DDP, optimizer, schedule, weight load/export, log-prob slice) reads the model's groups,
+never ``parallel_state``. What megatron still keeps per process is listed in that module.
 """
 
 from __future__ import annotations
@@ -13,16 +18,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -32,6 +39,7 @@ from vapo_megatron.models.hf_weights import gather_hf_weights, load_hf_weights
 from vapo_megatron.models.logprobs import VocabSlice
 from vapo_megatron.models.provider import ModelLayout, build_model, transformer_config
 from vapo_megatron.models.record import ModelRecord
+from vapo_megatron.parallel.model_groups import ModelGroups, seed_rng_tracker
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(model output [b, s, V/tp] logits or [b, s, 1] values, micro-batch) -> (loss share, metrics)."""
@@ -55,10 +63,41 @@ class OptimSettings:
     """Clip the global gradient norm to this value (0: no clipping)."""
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+    lr_warmup_steps: int = 0
+    """Steps of linear warmup from 0 to lr (step k of the warmup uses lr * k / warmup)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate shape after the warmup, from lr down to min_lr."""
+    lr_decay_steps: int | None = None
+    """Step at which the decay reaches min_lr (counted from 0, warmup included); linear/cosine."""
+    min_lr: float = 0.0
+    """Learning rate at and after lr_decay_steps."""
+
+    def __post_init__(self) -> None:
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(
+                f"lr_decay_style must be constant, linear or cosine, got {self.lr_decay_style!r}"
+            )
+        if self.lr_warmup_steps < 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(
+                f"need lr_warmup_steps >= 0 and 0 <= min_lr <= lr, got lr_warmup_steps="
+                f"{self.lr_warmup_steps}, min_lr={self.min_lr}, lr={self.lr}"
+            )
+        if self.lr_decay_style != "constant" and (
+            self.lr_decay_steps is None or self.lr_decay_steps <= self.lr_warmup_steps
+        ):
+            raise ValueError(
+                f"lr_decay_style={self.lr_decay_style!r} needs lr_decay_steps > lr_warmup_steps "
+                f"({self.lr_warmup_steps}), got {self.lr_decay_steps}; set lr_decay_steps to the "
+                f"total number of steps"
+            )
 
 
 class ModelEngine:
-    """This rank's chunks of one model, wrapped for training, with their optimizer."""
+    """This rank's chunks of one model, wrapped for training, with their optimizer.
+
+    ``groups``: this model's process groups (:func:`build_model_groups`); None reads the
+    layout megatron-core's ``parallel_state`` was initialised with (one layout per job).
+    """
 
     def __init__(
         self,
@@ -67,11 +106,23 @@ class ModelEngine:
         *,
         head: Head,
         optim: OptimSettings,
+        groups: ModelGroups | None = None,
         params_dtype: torch.dtype = torch.float32,
         layer_spec: ModuleSpec | None = None,
     ):
         layout.check(hf)
-        self.hf, self.layout, self.head = hf, layout, head
+        if groups is None:
+            groups = ModelGroups.from_parallel_state()
+        have = (groups.tp_size, groups.pp_size, groups.cp_size)
+        if have != (layout.tp, layout.pp, layout.cp):
+            raise ValueError(
+                f"layout tp, pp, cp = {(layout.tp, layout.pp, layout.cp)} but the process groups "
+                f"have {have}: build the groups with build_model_groups(tp=, pp=, cp=) of this "
+                f"layout"
+            )
+        self.hf, self.layout, self.head, self.groups = hf, layout, head, groups
+        seed_rng_tracker(groups)
+        pgs = groups.pg_collection
         self.record = ModelRecord(hf, head)
         self.config = transformer_config(hf, layout, params_dtype=params_dtype)
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -80,15 +131,19 @@ class ModelEngine:
             use_distributed_optimizer=optim.distributed_optimizer, grad_reduce_in_fp32=bf16
         )
         self.chunks: list[DistributedDataParallel] = []
-        for i, model in enumerate(build_model(hf, self.config, head=head, layer_spec=layer_spec)):
+        models = build_model(hf, self.config, head=head, pg_collection=pgs, layer_spec=layer_spec)
+        for i, model in enumerate(models):
             module = Float16Module(self.config, model) if bf16 else model
             self.chunks.append(
-                DistributedDataParallel(self.config, ddp_config, module, disable_bucketing=i > 0)
+                DistributedDataParallel(
+                    self.config, ddp_config, module, disable_bucketing=i > 0, pg_collection=pgs
+                )
             )
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
                 lr=optim.lr,
+                min_lr=optim.min_lr,
                 weight_decay=optim.weight_decay,
                 adam_beta1=optim.adam_beta1,
                 adam_beta2=optim.adam_beta2,
@@ -99,7 +154,64 @@ class ModelEngine:
                 use_distributed_optimizer=optim.distributed_optimizer,
             ),
             self.chunks,
+            # Megatron's extra gloo DP groups serve only legacy checkpoint formats.
+            use_gloo_process_groups=False,
+            pg_collection=pgs,
         )
+        # Weight decay: megatron's parameter groups exempt biases and 1-D tensors (wd_mult 0).
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=optim.lr,
+            min_lr=optim.min_lr,
+            lr_warmup_steps=optim.lr_warmup_steps,
+            # A constant schedule never reads the decay length; megatron wants one past warmup.
+            lr_decay_steps=(
+                optim.lr_warmup_steps + 1
+                if optim.lr_decay_style == "constant"
+                else optim.lr_decay_steps
+            ),
+            lr_decay_style=optim.lr_decay_style,
+            start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in the model's tensor-parallel group."""
+        return self.groups.tp_rank
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage in the model."""
+        return self.groups.pp_rank
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in the model's context-parallel group."""
+        return self.groups.cp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica of the model."""
+        return self.groups.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas of the model."""
+        return self.groups.dp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank holds the model's first pipeline stage (the embedding)."""
+        return self.groups.is_first_stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank holds the model's last pipeline stage (outputs and losses appear here)."""
+        return self.groups.is_last_stage
 
     def load_hf(self, hf_tensors: Mapping[str, torch.Tensor]) -> None:
         """Set the weights from full HF-named tensors (the optimizer's copies follow)."""
@@ -108,8 +220,8 @@ class ModelEngine:
             self.record,
             hf_tensors,
             self.config,
-            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            tp_rank=self.tp_rank,
+            pp_rank=self.pp_rank,
         )
         self.optimizer.reload_model_params()
 
@@ -119,8 +231,8 @@ class ModelEngine:
             self.chunks,
             self.record,
             self.config,
-            tp_group=parallel_state.get_tensor_model_parallel_group(),
-            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            tp_group=self.groups.pg_collection.tp,
+            pp_rank=self.pp_rank,
         )
 
     @property
@@ -128,9 +240,9 @@ class ModelEngine:
         """This TP rank's slice of the padded vocabulary (for log-probs from its logits)."""
         vocab = self.hf.padded_vocab_size(self.layout.tp)
         return VocabSlice(
-            parallel_state.get_tensor_model_parallel_group(),
+            self.groups.pg_collection.tp,
             self.hf.vocab_size,
-            parallel_state.get_tensor_model_parallel_rank() * (vocab // self.layout.tp),
+            self.tp_rank * (vocab // self.layout.tp),
         )
 
     def run(
@@ -158,7 +270,7 @@ class ModelEngine:
                 f"{self.layout.tp * self.layout.cp}, got {sorted(lengths)}: pack or pad with "
                 f"pad_multiple={self.layout.tp}"
             )
-        scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()
+        scale = len(micro_batches) * self.dp_size
 
         def loss_func(micro_batch: MicroBatch, output: torch.Tensor):
             loss, metrics = loss_fn(output, micro_batch)
@@ -181,8 +293,12 @@ class ModelEngine:
             self.optimizer.zero_grad()
         for chunk in self.chunks:
             chunk.train(not forward_only)
+        pgs = self.groups.pg_collection
+        schedule = get_forward_backward_func(pp_size=self.layout.pp, vp_size=self.layout.vpp)
+        # The pipelined schedules take p2p from the communicator, the rest from pg_collection.
+        p2p = P2PCommunicator(pp_group=pgs.pp, config=self.config) if self.layout.pp > 1 else None
         with torch.set_grad_enabled(not forward_only):
-            return get_forward_backward_func()(
+            return schedule(
                 forward_step_func=forward_step,
                 data_iterator=[iter(micro_batches) for _ in self.chunks],
                 model=self.chunks,
@@ -190,11 +306,22 @@ class ModelEngine:
                 seq_length=max(lengths),
                 micro_batch_size=sizes.pop(),
                 forward_only=forward_only,
+                p2p_communicator=p2p,
+                pg_collection=pgs,
             )
 
     def step(self) -> dict[str, float]:
-        """Apply the accumulated gradients: Adam with clipping. Returns grad_norm."""
+        """Apply the accumulated gradients: Adam with clipping at the scheduled learning rate.
+
+        Returns grad_norm (before clipping) and lr (the one this update used); the scheduler
+        advances first, so the k-th update uses the schedule's value at step k.
+        """
+        self.scheduler.step(1)
+        lr = self.optimizer.param_groups[0]["lr"]  # every group shares one schedule
         updated, grad_norm, _ = self.optimizer.step()
         if not updated:
             raise RuntimeError("the optimizer skipped its step (non-finite gradients)")
-        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
+        return {
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": float(lr),
+        }

@@ -1,0 +1,235 @@
+"""One model's own process groups (TP/PP/CP/DP over all ranks), built without ``parallel_state``.
+
+The policy and the critic each get a :class:`ModelGroups` from :func:`build_model_groups`, so
+they can take different layouts in one job. Ranks are laid out as megatron-core's default
+order "tp-cp-ep-dp-pp" (tp fastest, ep = 1)::
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+``ModelGroups.pg_collection`` holds every group that megatron-core 0.16.1's GPTModel,
+DistributedDataParallel, get_megatron_optimizer, finalize_model_grads and the pipeline
+schedules read from a ``ProcessGroupCollection`` (MoE groups included: DDP and the optimizer
+ask for them even for dense models; with ep = 1 they coincide with the dense ones).
+
+What stays process-global (one per process, shared by both models), and why that is harmless:
+
+- Megatron's RNG tracker (``tensor_parallel.get_cuda_rng_tracker``): seeded once
+  (:func:`seed_rng_tracker`) with the first model's TP rank. It only feeds dropout (0 in every
+  Qwen2 config here) and weight initialisation on GPU, which ``load_hf`` overwrites.
+- ``parallel_state``'s global memory buffer: scratch space for sequence-parallel all-gathers,
+  used by one model at a time (:func:`ensure_global_memory_buffer`).
+- ``get_megatron_optimizer`` runs one ``all_gather_object`` over the world to align parameter
+  groups: every model spans all ranks, and every rank builds the models in the same order.
+- ``dist_checkpointing`` replica ids (``sharded_state_dict``) read ``parallel_state`` unless
+  ``metadata={"dp_cp_group": ...}`` is passed: checkpoint code passes this model's group.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from vapo_megatron.parallel.groups import ParallelGroups
+
+# Coordinates of a rank, fastest-varying first (megatron's "tp-cp-ep-dp-pp" with ep = 1).
+_DIMS = ("tp", "cp", "dp", "pp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelGroups:
+    """One model's process groups and this rank's place in its layout."""
+
+    pg_collection: ProcessGroupCollection
+    """Megatron's groups for this model (pass as ``pg_collection=``)."""
+    parallel: ParallelGroups
+    """The project's small bundle (tp, pp, cp, dp, dp_cp) over the same groups."""
+    tp_size: int
+    """Tensor-parallel size."""
+    pp_size: int
+    """Pipeline-parallel size."""
+    cp_size: int
+    """Context-parallel size."""
+    dp_size: int
+    """Data-parallel size (world / (tp * pp * cp))."""
+    tp_rank: int
+    """This rank's index in its tensor-parallel group."""
+    pp_rank: int
+    """This rank's pipeline stage."""
+    cp_rank: int
+    """This rank's index in its context-parallel group."""
+    dp_rank: int
+    """This rank's data-parallel replica."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        """First pipeline stage (holds the embedding)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Last pipeline stage (holds the output layer; losses and outputs appear here)."""
+        return self.pp_rank == self.pp_size - 1
+
+    @classmethod
+    def from_parallel_state(cls) -> ModelGroups:
+        """The groups megatron-core's ``parallel_state`` initialised (one layout per job)."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+            parallel=ParallelGroups.from_parallel_state(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            cp_size=ps.get_context_parallel_world_size(),
+            dp_size=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            cp_rank=ps.get_context_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+        )
+
+
+def build_model_groups(*, tp: int, pp: int, cp: int, world_size: int | None = None) -> ModelGroups:
+    """New gloo/NCCL groups (the default backend) for one model with this layout.
+
+    Collective: every rank calls it with the same sizes, in the same order (once per model),
+    because ``torch.distributed.new_group`` must be called by all ranks for every group.
+    DP takes the remaining ranks: dp = world / (tp * pp * cp).
+    """
+    world = dist.get_world_size() if world_size is None else world_size
+    if world != dist.get_world_size():
+        raise ValueError(
+            f"world_size={world_size} but torch.distributed has {dist.get_world_size()} ranks; "
+            f"pass world_size=None"
+        )
+    if min(tp, pp, cp) < 1:
+        raise ValueError(f"tp, pp, cp must be >= 1, got tp={tp}, pp={pp}, cp={cp}")
+    if world % (tp * pp * cp):
+        raise ValueError(
+            f"tp * pp * cp = {tp} * {pp} * {cp} = {tp * pp * cp} does not divide the "
+            f"{world} ranks; pick sizes whose product divides {world} (DP takes the rest)"
+        )
+    sizes = {"tp": tp, "cp": cp, "dp": world // (tp * pp * cp), "pp": pp}
+    me = _coordinates(dist.get_rank(), sizes)
+    cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def group(*varying: str) -> dist.ProcessGroup:
+        """This rank's group among ranks that differ only in the ``varying`` coordinates."""
+        mine = None
+        for ranks in _partition(sizes, varying):
+            if ranks not in cache:  # identical rank sets share one group
+                cache[ranks] = dist.new_group(list(ranks))
+            if dist.get_rank() in ranks:
+                mine = cache[ranks]
+        return mine
+
+    def stage_group(pick) -> dist.ProcessGroup | None:
+        """Megatron's embedding groups: some stages of each pipeline; None off them."""
+        mine = None
+        for pp_ranks in _partition(sizes, ("pp",)):
+            ranks = tuple(pick(pp_ranks))
+            if ranks not in cache:
+                cache[ranks] = dist.new_group(list(ranks))
+            if dist.get_rank() in ranks:
+                mine = cache[ranks]
+        return mine
+
+    tp_g, cp_g, dp_g, pp_g = group("tp"), group("cp"), group("dp"), group("pp")
+    dp_cp, tp_cp, mp = group("cp", "dp"), group("tp", "cp"), group("tp", "pp")
+    everyone = group("tp", "cp", "dp", "pp")
+    pgs = ProcessGroupCollection(
+        tp=tp_g,
+        pp=pp_g,
+        cp=cp_g,
+        dp=dp_g,
+        dp_cp=dp_cp,
+        tp_cp=tp_cp,
+        mp=mp,
+        tp_dp_cp=group("tp", "cp", "dp"),
+        # Tied embeddings: first and last stage of each pipeline (megatron's default ranks).
+        embd=stage_group(lambda r: (r[0], r[-1]) if len(r) > 1 else r),
+        pos_embd=stage_group(lambda r: r[:1]),
+        # One distributed-optimizer instance spanning the model: intra = dp_cp, no inter.
+        intra_dp_cp=dp_cp,
+        intra_dist_opt=everyone,
+        inter_dist_opt=None,
+        # Expert groups at ep = 1, expert TP = TP: the dense groups under other names.
+        ep=group(),
+        expt_tp=tp_g,
+        tp_ep=tp_g,
+        tp_ep_pp=mp,
+        expt_dp=dp_cp,
+        intra_expt_dp=dp_cp,
+    )
+    ensure_global_memory_buffer()
+    return ModelGroups(
+        pg_collection=pgs,
+        parallel=ParallelGroups(tp=tp_g, pp=pp_g, cp=cp_g, dp=dp_g, dp_cp=dp_cp),
+        tp_size=tp,
+        pp_size=pp,
+        cp_size=cp,
+        dp_size=sizes["dp"],
+        tp_rank=me["tp"],
+        pp_rank=me["pp"],
+        cp_rank=me["cp"],
+        dp_rank=me["dp"],
+    )
+
+
+def _coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+    coords = {}
+    for dim in _DIMS:
+        rank, coords[dim] = divmod(rank, sizes[dim])
+    return coords
+
+
+def _rank(coords: dict[str, int], sizes: dict[str, int]) -> int:
+    rank = 0
+    for dim in reversed(_DIMS):
+        rank = rank * sizes[dim] + coords[dim]
+    return rank
+
+
+def _partition(sizes: dict[str, int], varying: tuple[str, ...]) -> list[tuple[int, ...]]:
+    """All groups of ranks that share every coordinate outside ``varying``, ordered by their
+    lowest rank; each group's ranks in increasing order (its group ranks follow them)."""
+    fixed = [d for d in _DIMS if d not in varying]
+    groups = []
+    for values in itertools.product(*(range(sizes[d]) for d in fixed)):
+        base = dict(zip(fixed, values, strict=True))
+        ranks = sorted(
+            _rank({**base, **dict(zip(varying, v, strict=True))}, sizes)
+            for v in itertools.product(*(range(sizes[d]) for d in varying))
+        )
+        groups.append(tuple(ranks))
+    return sorted(groups)
+
+
+def ensure_global_memory_buffer() -> None:
+    """Megatron's scratch buffer for sequence-parallel gathers, which ``initialize_model_parallel``
+    would otherwise create (process-global, used by one model at a time)."""
+    from megatron.core import parallel_state as ps
+
+    if ps._GLOBAL_MEMORY_BUFFER is None:
+        ps._set_global_memory_buffer()
+
+
+def seed_rng_tracker(groups: ModelGroups, seed: int = 1234) -> None:
+    """Seed megatron's RNG tracker (once per process) without ``parallel_state``.
+
+    The tracker is process-global, so the first model's TP rank picks the model-parallel
+    stream, as ``model_parallel_cuda_manual_seed`` would. Its streams only feed dropout (0 in
+    the Qwen2 configs) and GPU weight initialisation (overwritten by ``load_hf``). Unlike
+    ``model_parallel_cuda_manual_seed``, the default generator is left as it is.
+    """
+    from megatron.core.tensor_parallel import random
+
+    tracker = random.get_cuda_rng_tracker()
+    if tracker.is_initialized():
+        return
+    tracker.add(random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + groups.tp_rank)
+    tracker.add(random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + groups.tp_rank)
+    tracker.add(random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
