@@ -67,8 +67,9 @@ class ContextParallelDotProductAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         # K/V all-gather is the only CP scheme here; cp_comm_type picks among TE's schemes.
         self.cp_comm_type = cp_comm_type
-        # SelfAttention passes the model's pg_collection; constructed on its own (as the stock
-        # module allows) this falls back to parallel_state's groups, Megatron's convention.
+        # SelfAttention passes the model's pg_collection (each model has its own: the policy's
+        # and the critic's CP groups differ); constructed on its own, as the stock module
+        # allows, this falls back to parallel_state's groups, Megatron's convention.
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.cp_group = pg_collection.cp

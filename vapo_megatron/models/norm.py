@@ -4,7 +4,8 @@ megatron-core's torch fallback (``WrappedTorchNorm``) refuses sequence paralleli
 tags its weight ``sequence_parallel`` when the config asks for it, so that
 ``finalize_model_grads`` all-reduces the weight's gradient over the TP group (each TP rank saw
 only its slice of the sequence). Numerics follow HF's Qwen2/Llama RMSNorm: normalise in fp32,
-cast back to the input dtype, then scale.
+cast back to the input dtype, then scale. It never communicates, so it needs no process group:
+the all-reduce is ``finalize_model_grads``' over the TP group of the model's ``pg_collection``.
 """
 
 from __future__ import annotations

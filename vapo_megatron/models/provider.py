@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_block import (
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.models.norm import RMSNorm
 from vapo_megatron.models.value_head import ValueHead
+from vapo_megatron.parallel.model_groups import layout_sizes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +60,26 @@ class ModelLayout:
             raise ValueError(
                 f"pp * vpp = {stages} must divide num_layers={hf.num_layers}; change pp or vpp"
             )
+
+
+def check_layout_pair(policy: ModelLayout, critic: ModelLayout, world_size: int) -> None:
+    """ValueError unless both layouts fit ``world_size`` ranks (each model spans all of them).
+
+    Each model runs on its own process groups (``parallel.model_groups``), so in
+    megatron-core 0.16.1 every pair of layouts whose tp * pp * cp divides the world is
+    supported: any TP, PP (with or without vpp), CP, sequence parallelism and DP for the
+    policy, independently of the critic's. None is refused for the pairing itself: the
+    process-global state both models share (the RNG tracker, the scratch buffer) is listed,
+    with why it is harmless, in ``parallel/model_groups.py``. Tested in one 4-rank job
+    (``tests/distributed/test_mixed_layouts.py``): policy TP2 + SP / critic TP1 x DP4
+    (distributed optimizer); policy DP4 / critic PP2 x DP2; policy TP2 x PP2 (vpp 2) / critic
+    CP2 x DP2.
+    """
+    for name, layout in (("policy", policy), ("critic", critic)):
+        try:
+            layout_sizes(tp=layout.tp, pp=layout.pp, cp=layout.cp, world_size=world_size)
+        except ValueError as err:
+            raise ValueError(f"{name} layout: {err}") from None
 
 
 def transformer_config(

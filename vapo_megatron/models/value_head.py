@@ -19,6 +19,9 @@ class ValueHead(torch.nn.Module):
     computes the same values and the same weight gradient (no TP all-reduce is needed); the
     gather's backward only slices the gradient, since no rank holds a partial sum.
 
+    ``tp_group`` is the model's own TP group (``pg_collection.tp``), used only for the
+    sequence-parallel gather.
+
     The weight starts at zero (V = 0 everywhere): identical on every rank without coordinating
     random streams; value pretraining, or a reward model's head, gives it its values.
     """

@@ -1,8 +1,9 @@
 """The bundle of process groups that code below the trainer receives.
 
-The trainer builds it once (from megatron-core's ``parallel_state`` or by hand in tests)
-and passes it down; nothing under ``algorithms/``, ``parallel/``, ``models/`` or
-``rollout/`` calls a global group getter.
+The trainer gets one per model (``ModelGroups.parallel`` from ``model_groups.py``, or from
+megatron-core's ``parallel_state`` when one layout serves the job, or by hand in tests) and
+passes it down; nothing under ``algorithms/``, ``parallel/``, ``models/`` or ``rollout/`` calls
+a global group getter.
 """
 
 from __future__ import annotations

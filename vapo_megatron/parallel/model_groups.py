@@ -100,43 +100,30 @@ def build_model_groups(*, tp: int, pp: int, cp: int, world_size: int | None = No
     DP takes the remaining ranks: dp = world / (tp * pp * cp).
     """
     world = dist.get_world_size() if world_size is None else world_size
+    sizes = layout_sizes(tp=tp, pp=pp, cp=cp, world_size=world)
     if world != dist.get_world_size():
         raise ValueError(
             f"world_size={world_size} but torch.distributed has {dist.get_world_size()} ranks; "
             f"pass world_size=None"
         )
-    if min(tp, pp, cp) < 1:
-        raise ValueError(f"tp, pp, cp must be >= 1, got tp={tp}, pp={pp}, cp={cp}")
-    if world % (tp * pp * cp):
-        raise ValueError(
-            f"tp * pp * cp = {tp} * {pp} * {cp} = {tp * pp * cp} does not divide the "
-            f"{world} ranks; pick sizes whose product divides {world} (DP takes the rest)"
-        )
-    sizes = {"tp": tp, "cp": cp, "dp": world // (tp * pp * cp), "pp": pp}
     me = _coordinates(dist.get_rank(), sizes)
     cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
-    def group(*varying: str) -> dist.ProcessGroup:
-        """This rank's group among ranks that differ only in the ``varying`` coordinates."""
-        mine = None
-        for ranks in _partition(sizes, varying):
+    def mine(rank_lists) -> dist.ProcessGroup | None:
+        """Create every listed group (all ranks must); return this rank's, None if in none."""
+        found = None
+        for ranks in map(tuple, rank_lists):
             if ranks not in cache:  # identical rank sets share one group
                 cache[ranks] = dist.new_group(list(ranks))
             if dist.get_rank() in ranks:
-                mine = cache[ranks]
-        return mine
+                found = cache[ranks]
+        return found
 
-    def stage_group(pick) -> dist.ProcessGroup | None:
-        """Megatron's embedding groups: some stages of each pipeline; None off them."""
-        mine = None
-        for pp_ranks in _partition(sizes, ("pp",)):
-            ranks = tuple(pick(pp_ranks))
-            if ranks not in cache:
-                cache[ranks] = dist.new_group(list(ranks))
-            if dist.get_rank() in ranks:
-                mine = cache[ranks]
-        return mine
+    def group(*varying: str) -> dist.ProcessGroup:
+        """This rank's group among ranks that differ only in the ``varying`` coordinates."""
+        return mine(rank_groups(sizes, *varying))
 
+    pipelines = rank_groups(sizes, "pp")
     tp_g, cp_g, dp_g, pp_g = group("tp"), group("cp"), group("dp"), group("pp")
     dp_cp, tp_cp, mp = group("cp", "dp"), group("tp", "cp"), group("tp", "pp")
     everyone = group("tp", "cp", "dp", "pp")
@@ -150,8 +137,9 @@ def build_model_groups(*, tp: int, pp: int, cp: int, world_size: int | None = No
         mp=mp,
         tp_dp_cp=group("tp", "cp", "dp"),
         # Tied embeddings: first and last stage of each pipeline (megatron's default ranks).
-        embd=stage_group(lambda r: (r[0], r[-1]) if len(r) > 1 else r),
-        pos_embd=stage_group(lambda r: r[:1]),
+        # None on the stages in between, as parallel_state leaves them.
+        embd=mine((r[0], r[-1]) if len(r) > 1 else r for r in pipelines),
+        pos_embd=mine(r[:1] for r in pipelines),
         # One distributed-optimizer instance spanning the model: intra = dp_cp, no inter.
         intra_dp_cp=dp_cp,
         intra_dist_opt=everyone,
@@ -179,6 +167,20 @@ def build_model_groups(*, tp: int, pp: int, cp: int, world_size: int | None = No
     )
 
 
+def layout_sizes(*, tp: int, pp: int, cp: int, world_size: int) -> dict[str, int]:
+    """{"tp", "cp", "dp", "pp"} sizes of a layout on ``world_size`` ranks (DP takes the rest);
+    ValueError naming the sizes when they do not fit."""
+    if min(tp, pp, cp) < 1:
+        raise ValueError(f"tp, pp, cp must be >= 1, got tp={tp}, pp={pp}, cp={cp}")
+    if world_size % (tp * pp * cp):
+        raise ValueError(
+            f"tp * pp * cp = {tp} * {pp} * {cp} = {tp * pp * cp} does not divide the "
+            f"{world_size} ranks; pick sizes whose product divides {world_size} (data "
+            f"parallelism takes the rest)"
+        )
+    return {"tp": tp, "cp": cp, "dp": world_size // (tp * pp * cp), "pp": pp}
+
+
 def _coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
     coords = {}
     for dim in _DIMS:
@@ -193,9 +195,10 @@ def _rank(coords: dict[str, int], sizes: dict[str, int]) -> int:
     return rank
 
 
-def _partition(sizes: dict[str, int], varying: tuple[str, ...]) -> list[tuple[int, ...]]:
-    """All groups of ranks that share every coordinate outside ``varying``, ordered by their
-    lowest rank; each group's ranks in increasing order (its group ranks follow them)."""
+def rank_groups(sizes: dict[str, int], *varying: str) -> list[tuple[int, ...]]:
+    """Every group of ranks that differ only in the ``varying`` coordinates (``"tp"``: the TP
+    groups), ordered by lowest rank, each in increasing rank order (its group ranks follow
+    that order): the order every rank creates them in."""
     fixed = [d for d in _DIMS if d not in varying]
     groups = []
     for values in itertools.product(*(range(sizes[d]) for d in fixed)):
