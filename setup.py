@@ -41,5 +41,10 @@ setup(
     packages=find_packages(include=["vapo_megatron", "vapo_megatron.*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": []},
+    entry_points={
+        "console_scripts": [
+            "vapo-train=vapo_megatron.train:main",
+            "vapo-eval=vapo_megatron.evaluate:main",
+        ]
+    },
 )

@@ -23,6 +23,16 @@ class ModelSettings:
     """HF directory of the initial policy: config.json, tokenizer and weights."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Training parameter dtype (Adam keeps fp32 main weights under bf16)."""
+    create_tiny: bool = False
+    """Build the tiny synthetic task's model at model.path and its data at data.train_path / eval_path when absent (CPU recipes; nothing is downloaded)."""
+    tiny_seed: int = 0
+    """Seed of the tiny task, tokenizer and initial weights (create_tiny only)."""
+    tiny_warmup_steps: int = 0
+    """Supervised warm-up steps of the tiny policy, so RL starts from a non-zero pass rate (create_tiny only)."""
+    tiny_num_train: int = 2000
+    """Training problems of the tiny task (create_tiny only)."""
+    tiny_num_eval: int = 200
+    """Held-out problems of the tiny task (create_tiny only)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,12 +250,6 @@ class TrainConfig:
             raise ValueError(
                 f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} does not divide the "
                 f"world size {world_size}; each group of that many ranks forms one vLLM engine"
-            )
-        if rollout.tensor_parallel_size != 1:
-            raise ValueError(
-                "rollout.tensor_parallel_size > 1 inside the training job needs colocated "
-                "engine replicas (vLLM external_launcher), which this version does not build "
-                "yet; set rollout.tensor_parallel_size=1"
             )
         if trainer.mini_batch_size < 1 or self.samples_per_step % trainer.mini_batch_size:
             raise ValueError(

@@ -1,0 +1,72 @@
+"""``vapo-train RECIPE.yaml [section.key=value ...]``: run VAPO (or a baseline) end to end.
+
+Under torchrun/srun every process is one rank. Started plainly, it starts
+``trainer.local_world_size`` local gloo ranks of itself (rank 0 on this console, the others
+logging to RUN_DIR/logs/). The steps, top-down, are in ``trainer/loop.py`` and
+``trainer/step.py``: resume; critic pretraining; then per step weight sync, rollout, reward,
+scoring pass, advantages, critic and policy updates, metrics, checkpoint; export.
+Exit status: 0 done (or preempted with a checkpoint), 1 failed, 2 bad recipe or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+
+def quiet_dependencies() -> None:
+    """Hide notes that say nothing about the run (absent TE/apex, deprecations in megatron)."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+
+def setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="vapo-train", description=__doc__.split("\n")[0])
+    parser.add_argument("recipe", help="YAML recipe (recipes/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, value read as YAML")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_dependencies()
+    setup_logging()
+    args = parse_args(argv)
+    from vapo_megatron.parallel.local_launch import relaunch_as_local_ranks, under_launcher
+    from vapo_megatron.trainer.recipe import load_recipe
+
+    try:
+        config = load_recipe(args.recipe, args.overrides)
+        if not under_launcher() and config.trainer.local_world_size > 1:
+            logs = Path(config.trainer.run_dir) / "logs"
+            logging.info(
+                "starting %d local ranks (the others log to %s)",
+                config.trainer.local_world_size, logs,
+            )  # fmt: skip
+            return relaunch_as_local_ranks(config.trainer.local_world_size, log_dir=logs)
+        from vapo_megatron.trainer.loop import train
+
+        train(config)
+    except ValueError as err:
+        logging.error("%s", err)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # megatron's checkpoint writer spawns processes that import this
+    sys.exit(main())

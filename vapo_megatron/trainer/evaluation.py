@@ -1,0 +1,50 @@
+"""Held-out evaluation: avg@k and pass@k with the eval set's own sampling.
+
+avg@k: the mean accuracy over all k samples of every prompt. pass@k: the fraction of prompts
+with at least one correct sample among their k (the paper reports avg@32 on AIME 2024 at
+temperature 1.0, top_p 0.7). Each engine replica generates for its share of the prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vapo_megatron.trainer.rollout_phase import RolloutStats, generate_and_grade, sampling_seed
+
+EVAL_SEED_OFFSET = 7_777_777
+
+
+def evaluate(session, step: int, prompts: Sequence | None = None) -> dict[str, float]:
+    """avg@k, pass@k, mean response length and grader failures on the eval set (every rank)."""
+    cfg = session.config
+    ev = cfg.eval
+    items = list(prompts if prompts is not None else session.eval.items)
+    if ev.max_prompts is not None:
+        items = items[: ev.max_prompts]
+    if not session.rollout_synced:
+        from vapo_megatron.trainer.step import sync_weights
+
+        sync_weights(session)
+        session.rollout_synced = True
+    stats = RolloutStats()
+    trajectories = generate_and_grade(
+        session.rollout, session.tokenizer, items, n=ev.k, temperature=ev.temperature,
+        top_p=ev.top_p, max_new_tokens=ev.max_new_tokens or cfg.rollout.max_new_tokens,
+        stop_token_ids=session.stop_token_ids,
+        seed=sampling_seed(cfg.trainer.seed + EVAL_SEED_OFFSET, step, 0, session.replica),
+        routing=session.routing, grader_timeout_s=cfg.reward.timeout_s, stats=stats,
+        replica=session.replica, num_replicas=session.num_replicas,
+    )  # fmt: skip
+    session.rollout.sleep()
+    k = ev.k
+    groups = [trajectories[i : i + k] for i in range(0, len(trajectories), k)]
+    accs = [t.acc for t in trajectories]
+    return {
+        f"avg@{k}": sum(accs) / max(len(accs), 1),
+        f"pass@{k}": sum(any(t.acc > 0 for t in g) for g in groups) / max(len(groups), 1),
+        "response_length/mean": sum(len(t.response) for t in trajectories) / max(len(accs), 1),
+        "num_prompts": float(len(groups)),
+        "grader_errors": float(stats.grader_errors),
+        "grader_timeouts": float(stats.grader_timeouts),
+        "seconds": stats.generate_seconds + stats.reward_seconds,
+    }

@@ -1,0 +1,252 @@
+"""The run: resume, critic pretraining, VAPO steps with evaluation and checkpoints, export.
+
+``train(config)`` is what ``vapo-train`` calls on every rank. Checkpoints hold both models,
+both optimizers and schedulers, the data position, the critic-pretraining stop rule, every
+rank's RNG and the step; they are written every ``trainer.checkpoint_every`` steps, at the
+end, and when SIGTERM/SIGUSR1 arrives (then the run stops, to be resumed by the same command).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from vapo_megatron.algorithms.value_pretrain import ValuePretrainStop
+from vapo_megatron.models import hf_io
+from vapo_megatron.trainer.checkpointing import (
+    TrainableState,
+    latest_step,
+    load_train_checkpoint,
+    save_train_checkpoint,
+)
+from vapo_megatron.trainer.config import TrainConfig
+from vapo_megatron.trainer.evaluation import evaluate
+from vapo_megatron.trainer.export import export_hf
+from vapo_megatron.trainer.metrics import MetricsLogger
+from vapo_megatron.trainer.preemption import PreemptionFlag
+from vapo_megatron.trainer.recipe import config_to_dict, dump_config
+from vapo_megatron.trainer.session import Session
+from vapo_megatron.trainer.step import run_step
+
+logger = logging.getLogger("vapo_megatron")
+PRETRAIN_SEED_KEY = 10**6  # critic-pretraining steps draw other seeds than VAPO steps
+
+
+def prepare_run_dir(config: TrainConfig) -> Path:
+    """Create the run directory (rank 0 writes config.yaml); refuse a used one with resume=never."""
+    run_dir = Path(config.trainer.run_dir)
+    checkpoints = run_dir / "checkpoints"
+    if config.trainer.resume == "never" and latest_step(checkpoints) is not None:
+        raise ValueError(
+            f"{run_dir} already holds checkpoints and trainer.resume=never; pick another "
+            "trainer.run_dir or set trainer.resume=auto to continue it"
+        )
+    if dist.get_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(config, run_dir / "config.yaml")
+    dist.barrier()
+    return run_dir
+
+
+def ensure_tiny_assets(config: TrainConfig) -> None:
+    """model.create_tiny: rank 0 builds the tiny task and model where they are missing."""
+    model, data = config.model, config.data
+    if not model.create_tiny:
+        return
+    if dist.get_rank() == 0:
+        from vapo_megatron.data.synthetic import make_splits
+        from vapo_megatron.data.tiny_model import write_tiny_model
+
+        train_path = Path(data.train_path)
+        eval_path = Path(data.eval_path) if data.eval_path else None
+        if not train_path.is_file() or (eval_path is not None and not eval_path.is_file()):
+            made_train, made_eval = make_splits(
+                train_path.parent, model.tiny_num_train, model.tiny_num_eval, model.tiny_seed
+            )
+            if made_train != train_path or (eval_path is not None and made_eval != eval_path):
+                raise ValueError(
+                    f"model.create_tiny writes {made_train} and {made_eval}; set "
+                    "data.train_path and data.eval_path to those names"
+                )
+            logger.info("tiny task written: %s, %s", made_train, made_eval)
+        if not (Path(model.path) / "config.json").is_file():
+            started = time.perf_counter()
+            write_tiny_model(
+                model.path, seed=model.tiny_seed, warmup_steps=model.tiny_warmup_steps,
+                train_path=train_path, template=data.template,
+            )  # fmt: skip
+            logger.info(
+                "tiny model written to %s (%d warm-up steps, %.0f s)",
+                model.path, model.tiny_warmup_steps, time.perf_counter() - started,
+            )  # fmt: skip
+    dist.barrier()
+
+
+class Run:
+    """One rank's view of the whole run."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        cfg = session.config
+        self.cfg = cfg
+        self.root = session.run_dir / "checkpoints"
+        self.state = {"step": 0, "pretrain_step": 0, "pretrain_done": False}
+        algo = cfg.algorithm
+        self.stop_rule = None
+        if algo.uses_critic and algo.value_pretrain_steps:
+            cp = cfg.critic_pretrain
+            self.stop_rule = ValuePretrainStop(
+                max_steps=algo.value_pretrain_steps, min_steps=min(cp.min_steps, algo.value_pretrain_steps),
+                ev_threshold=cp.ev_threshold, patience=cp.patience, min_delta=cp.min_delta,
+            )  # fmt: skip
+        if session.critic is not None and session.critic_pretrained:
+            self.state["pretrain_done"] = True
+
+    def models(self) -> dict[str, TrainableState]:
+        out = {"policy": TrainableState.from_engine(self.session.policy)}
+        if self.session.critic is not None:
+            out["critic"] = TrainableState.from_engine(self.session.critic)
+        return out
+
+    def save(self) -> None:
+        extra = {
+            "state": dict(self.state),
+            "sampler": self.session.sampler.state_dict(),
+            "stop_rule": None if self.stop_rule is None else self.stop_rule.state_dict(),
+        }
+        save_train_checkpoint(
+            self.root, self._checkpoint_index(), self.models(), extra,
+            keep_last=self.cfg.trainer.keep_last,
+        )  # fmt: skip
+
+    def _checkpoint_index(self) -> int:
+        # Pretraining steps and VAPO steps share one increasing checkpoint numbering.
+        return self.state["pretrain_step"] + self.state["step"]
+
+    def resume(self) -> bool:
+        extra = load_train_checkpoint(self.root, self.models())
+        if extra is None:
+            return False
+        self.state.update(extra["state"])
+        self.session.sampler.load_state_dict(extra["sampler"])
+        if self.stop_rule is not None and extra["stop_rule"] is not None:
+            self.stop_rule.load_state_dict(extra["stop_rule"])
+        self.session.rollout_synced = False
+        return True
+
+
+def train(config: TrainConfig) -> dict:
+    """Run (or resume) the experiment; return the summary (also written to summary.json)."""
+    start = time.perf_counter()
+    from vapo_megatron.trainer.session import init_distributed
+
+    init_distributed()
+    ensure_tiny_assets(config)
+    run_dir = prepare_run_dir(config)
+    session = Session(config, run_dir)
+    run = Run(session)
+    resumed = config.trainer.resume == "auto" and run.resume()
+    is_rank0 = session.rank == 0
+    _log_start(session, run, resumed)
+    total = config.trainer.steps + (run.stop_rule.max_steps if run.stop_rule else 0)
+    metrics_log = MetricsLogger(
+        run_dir, total_steps=config.trainer.steps, start_step=run.state["step"],
+        tensorboard=config.trainer.tensorboard, wandb_project=config.trainer.wandb_project,
+        progress_bar=config.trainer.progress_bar, config=config_to_dict(config), enabled=is_rank0,
+    )  # fmt: skip
+    del total
+    flag = PreemptionFlag()
+    summary: dict = {"resumed": resumed}
+    try:
+        # Critic pretraining (frozen policy, Monte-Carlo returns) until the stop rule says so.
+        if run.stop_rule is not None and not run.state["pretrain_done"]:
+            while True:
+                step = run.state["pretrain_step"] + 1
+                metrics = run_step(session, PRETRAIN_SEED_KEY + step, pretrain=True)
+                run.state["pretrain_step"] = step
+                metrics_log.log(step, metrics, phase="critic_pretrain")
+                if run.stop_rule.update(
+                    step, metrics.get("critic/explained_variance", float("nan"))
+                ):
+                    break
+                if flag.should_save():
+                    run.save()
+                    return _preempted(session, run)
+            export_hf(
+                session.critic, session.pretrained_critic_dir(),
+                hf_config=hf_io.read_config(config.model.path), assets_from=config.model.path,
+            )  # fmt: skip
+            run.state["pretrain_done"] = True
+            summary["critic_pretrain_steps"] = run.state["pretrain_step"]
+            run.save()
+        if session.eval is not None and config.eval.at_start and run.state["step"] == 0:
+            metrics_log.log(0, evaluate(session, 0), phase="eval")
+        while run.state["step"] < config.trainer.steps:
+            step = run.state["step"] + 1
+            metrics = run_step(session, step, pretrain=False)
+            run.state["step"] = step
+            metrics_log.log(step, metrics, phase="train")
+            if session.eval is not None and config.eval.every and step % config.eval.every == 0:
+                metrics_log.log(step, evaluate(session, step), phase="eval")
+            every = config.trainer.checkpoint_every
+            if flag.should_save():
+                run.save()
+                return _preempted(session, run)
+            if every and step % every == 0 and step < config.trainer.steps:
+                run.save()
+        if latest_step(run.root) != run._checkpoint_index():
+            run.save()
+        if session.eval is not None and config.eval.at_end:
+            final = evaluate(session, run.state["step"])
+            metrics_log.log(run.state["step"], final, phase="eval")
+            summary["eval"] = final
+        if config.trainer.export_hf:
+            export_hf(
+                session.policy, run_dir / "hf_policy",
+                hf_config=hf_io.read_config(config.model.path), assets_from=config.model.path,
+            )  # fmt: skip
+            summary["hf_policy"] = str(run_dir / "hf_policy")
+        summary.update(
+            steps=run.state["step"], critic_pretrain_steps=run.state["pretrain_step"],
+            seconds=time.perf_counter() - start, metrics=str(metrics_log.jsonl_path),
+        )  # fmt: skip
+        if is_rank0:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            logger.info("done: %s", json.dumps(summary))
+        return summary
+    finally:
+        flag.uninstall()
+        metrics_log.close()
+        session.close()
+
+
+def _preempted(session: Session, run: Run) -> dict:
+    if session.rank == 0:
+        logger.warning(
+            "signal received: checkpoint saved at %s; run the same command again to resume",
+            run.root,
+        )
+    return {"preempted": True, **run.state}
+
+
+def _log_start(session: Session, run: Run, resumed: bool) -> None:
+    if session.rank != 0:
+        return
+    cfg = session.config
+    logger.info("train prompts: %s", session.train.report)
+    if session.eval is not None:
+        logger.info("eval prompts: %s", session.eval.report)
+    logger.info(
+        "world %d: policy %s, critic %s, %d vLLM replica(s) of TP %d",
+        session.world_size, cfg.policy.layout,
+        cfg.critic.layout if session.critic is not None else "none",
+        session.num_replicas, cfg.rollout.tensor_parallel_size,
+    )  # fmt: skip
+    if session.critic is not None:
+        logger.info("critic from %s", session.critic_source)
+    if resumed:
+        logger.info("resumed from %s at step %s", run.root, run.state)

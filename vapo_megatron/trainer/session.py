@@ -1,0 +1,266 @@
+"""Everything a run holds: process groups, tokenizer, prompts, the two models, the rollout engine.
+
+``Session.open(config)`` runs on every rank, in the same order (the groups and the models are
+collective to build). The policy and the critic get their own process groups over the whole
+world, so each takes its own layout; the rollout engine (one vLLM replica per rank at
+rollout TP 1) is started last, once the process group exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from vapo_megatron.data.prompts import TokenizedPrompt, load_prompts, tokenize_prompts
+from vapo_megatron.data.sampler import PromptSampler
+from vapo_megatron.models import checkpoint as mckpt
+from vapo_megatron.models import hf_io
+from vapo_megatron.models.config import HFModelConfig
+from vapo_megatron.parallel.model_groups import (
+    build_model_groups,
+    ensure_global_memory_buffer,
+    seed_rng_tracker,
+)
+from vapo_megatron.rewards.registry import check_data_sources, resolve_routing
+from vapo_megatron.trainer.config import TrainConfig
+from vapo_megatron.trainer.model_engine import ModelEngine
+
+logger = logging.getLogger("vapo_megatron")
+
+
+def init_distributed() -> None:
+    """The default process group (gloo on CPU, NCCL on GPU) and, on CPU, the Megatron shim."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # one plain process
+            dist.init_process_group(
+                "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )  # fmt: skip
+        else:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend)
+    if not torch.cuda.is_available():
+        from vapo_megatron.parallel.cpu_shim import apply_cpu_shim
+
+        apply_cpu_shim()
+
+
+@dataclass
+class Prompts:
+    """A tokenized prompt set and how it was read."""
+
+    items: list[TokenizedPrompt]
+    report: str
+
+
+def read_prompts(config: TrainConfig, path: str, tokenizer, routing) -> Prompts:
+    data = config.data
+    records, load_report = load_prompts(
+        path, default_data_source=data.default_data_source, dedup=data.dedup,
+        max_bad_fraction=data.max_bad_fraction,
+    )  # fmt: skip
+    check_data_sources({r.data_source for r in records}, routing)
+    items, tok_report = tokenize_prompts(
+        records, tokenizer, data.template, data.max_prompt_tokens,
+        max_bad_fraction=data.max_bad_fraction,
+    )  # fmt: skip
+    if not items:
+        raise ValueError(f"{path}: no usable prompts ({load_report}, {tok_report})")
+    report = (
+        f"{path}: {load_report.num_rows} rows, {load_report.num_duplicates} duplicates removed, "
+        f"{load_report.num_skipped} bad rows skipped {load_report.skipped or ''}, "
+        f"{tok_report.num_too_long} over {data.max_prompt_tokens} tokens, {len(items)} prompts"
+    )
+    return Prompts(items, report)
+
+
+def _policy_hf_tensors(model_path: str) -> dict[str, torch.Tensor]:
+    source = hf_io.HFCheckpoint(model_path)
+    if "score.weight" in source.names:
+        raise ValueError(
+            f"model.path={model_path} is a reward/score model (it has score.weight), not a "
+            "policy; point model.path at the policy and critic.init_path at the reward model"
+        )
+    return dict(source.read(source.names))
+
+
+def _critic_from_policy(
+    policy: dict[str, torch.Tensor], hf: HFModelConfig, std: float, seed: int
+) -> dict[str, torch.Tensor]:
+    tensors = {k: v for k, v in policy.items() if k != "lm_head.weight"}
+    generator = torch.Generator().manual_seed(seed)
+    head = torch.randn(1, hf.hidden_size, generator=generator) * std
+    tensors["score.weight"] = head.to(next(iter(policy.values())).dtype)
+    return tensors
+
+
+class Session:
+    """One rank's share of a run."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.run_dir = run_dir
+        init_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        config.check(self.world_size)
+        torch.manual_seed(config.trainer.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.stop_token_ids = _stop_ids(self.tokenizer, config.model.path)
+        self.routing = resolve_routing(config.reward.routing)
+        self.train = read_prompts(config, config.data.train_path, self.tokenizer, self.routing)
+        self.eval = (
+            read_prompts(config, config.data.eval_path, self.tokenizer, self.routing)
+            if config.data.eval_path
+            else None
+        )
+        self.sampler = PromptSampler(
+            len(self.train.items), seed=config.trainer.seed, shuffle=config.data.shuffle
+        )
+        self.hf = HFModelConfig.from_hf(hf_io.read_config(config.model.path))
+        dtype = getattr(torch, config.model.dtype)
+        self.policy_groups = build_model_groups(
+            tp=config.policy.layout.tp, pp=config.policy.layout.pp, cp=config.policy.layout.cp
+        )
+        self.critic_groups = None
+        if config.algorithm.uses_critic:
+            self.critic_groups = build_model_groups(
+                tp=config.critic.layout.tp, pp=config.critic.layout.pp, cp=config.critic.layout.cp
+            )
+        ensure_global_memory_buffer()
+        seed_rng_tracker(self.policy_groups, seed=config.trainer.seed)
+        self.policy = ModelEngine(
+            self.hf, config.policy.layout, head="lm", optim=config.policy.optim,
+            groups=self.policy_groups, params_dtype=dtype,
+        )  # fmt: skip
+        policy_tensors = None
+        if config.policy.load:
+            mckpt.load_model_weights(self.policy.chunks, config.policy.load, hf=self.hf, head="lm")
+            self.policy.optimizer.reload_model_params()
+        else:
+            policy_tensors = _policy_hf_tensors(config.model.path)
+            self.policy.load_hf(policy_tensors)
+        self.critic = None
+        if config.algorithm.uses_critic:
+            self.critic = ModelEngine(
+                self.hf, config.critic.layout, head="value", optim=config.critic.optim,
+                groups=self.critic_groups, params_dtype=dtype,
+            )  # fmt: skip
+            self._init_critic(policy_tensors)
+        del policy_tensors
+        self.rollout = self._start_rollout()
+        self.rollout_synced = False
+        """Whether the engine holds the policy's current weights."""
+
+    def _init_critic(self, policy_tensors: dict[str, torch.Tensor] | None) -> None:
+        """Critic weights: a pretrained critic (this run's or critic.pretrained), else a reward
+        model (critic.init_path), else the policy's trunk with a new value head."""
+        config = self.config
+        for path in (config.critic.pretrained, self.pretrained_critic_dir()):
+            if path and _is_model_dir(Path(path)):
+                self.load_critic(path)
+                self.critic_source = f"pretrained critic {path}"
+                self.critic_pretrained = True
+                return
+        if config.critic.pretrained:
+            raise ValueError(
+                f"critic.pretrained={config.critic.pretrained} is neither an HF directory nor a "
+                "Megatron checkpoint; point it at a run's critic_pretrained directory"
+            )
+        self.critic_pretrained = False
+        if config.critic.init_path:  # a reward model, or the policy converted as a critic
+            self.load_critic(config.critic.init_path)
+            self.critic_source = f"{config.critic.init_path} ({config.algorithm.critic_init})"
+            return
+        if policy_tensors is None:
+            policy_tensors = _policy_hf_tensors(config.model.path)
+        self.critic.load_hf(
+            _critic_from_policy(
+                policy_tensors, self.hf, config.critic.value_head_init_std, config.trainer.seed
+            )
+        )
+        self.critic_source = "policy weights + new value head"
+
+    def pretrained_critic_dir(self) -> Path:
+        return self.run_dir / "critic_pretrained"
+
+    def load_critic(self, path: str | Path) -> None:
+        """A critic Megatron checkpoint (any layout) or an HF directory with score.weight."""
+        path = Path(path)
+        if (path / mckpt.METADATA_NAME).is_file():
+            mckpt.load_model_weights(self.critic.chunks, path, hf=self.hf, head="value")
+            self.critic.optimizer.reload_model_params()
+            return
+        source = hf_io.HFCheckpoint(path)
+        if "score.weight" not in source.names:
+            raise ValueError(
+                f"{path} has no score.weight: not a critic or reward model. Give a "
+                "*ForSequenceClassification directory or a critic checkpoint (tools/convert.py "
+                "hf-to-mcore --critic-from reward-model)"
+            )
+        self.critic.load_hf(dict(source.read(source.names)))
+
+    def _start_rollout(self):
+        from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
+
+        r = self.config.rollout
+        if r.tensor_parallel_size != 1:
+            raise ValueError(
+                f"rollout.tensor_parallel_size={r.tensor_parallel_size}: engine replicas of vLLM "
+                "TP > 1 inside the training job (vLLM's external_launcher) are not built yet; "
+                "set rollout.tensor_parallel_size=1 (one engine per rank)"
+            )
+        return RolloutEngine(
+            RolloutConfig(
+                model_path=self.config.model.path, tensor_parallel_size=r.tensor_parallel_size,
+                dtype=r.dtype, max_model_len=r.max_model_len,
+                seed=self.config.trainer.seed + self.rank, kv_cache_bytes=r.kv_cache_bytes,
+                gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
+                weight_bucket_bytes=r.weight_bucket_bytes,
+            )
+        )  # fmt: skip
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world_size // self.config.rollout.tensor_parallel_size
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.config.rollout.tensor_parallel_size
+
+    def close(self) -> None:
+        # vLLM tears down the default process group with the engine: shut it down last.
+        dist.barrier()
+        self.rollout.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _is_model_dir(path: Path) -> bool:
+    return (path / mckpt.METADATA_NAME).is_file() or (path / "config.json").is_file()
+
+
+def _stop_ids(tokenizer, model_path: str) -> list[int]:
+    """EOS ids from the tokenizer and generation_config.json."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation = Path(model_path, "generation_config.json")
+    if generation.is_file():
+        import json
+
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    if not ids:
+        raise ValueError(
+            f"{model_path}: the tokenizer has no eos_token and generation_config.json names no "
+            "eos_token_id; responses would never stop. Set one of them"
+        )
+    return sorted(ids)

@@ -1,0 +1,324 @@
+"""One training step, as DESIGN.md's "One training step" lists it.
+
+``vapo_step`` (and ``critic_pretrain_step``, which stops after the critic's update) read
+top-down: prompts, weight sync, rollout, reward, scoring pass, advantages, mini-batch
+updates (critic, then policy), metrics. Every rank runs them in lockstep.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+
+from vapo_megatron.algorithms.losses import explained_variance, explained_variance_stats
+from vapo_megatron.data.packing import Sample
+from vapo_megatron.rollout.weight_stream import stream_policy_weights
+from vapo_megatron.trainer import advantage_phase as adv
+from vapo_megatron.trainer.batching import FLAT_INDEX, build_samples, response_offsets
+from vapo_megatron.trainer.loss_fns import (
+    logprob_scoring_fn,
+    policy_loss_fn,
+    value_loss_fn,
+    value_scoring_fn,
+)
+from vapo_megatron.trainer.rollout_phase import (
+    RolloutStats,
+    Trajectory,
+    generate_and_grade,
+    sampling_seed,
+    shape_rewards,
+    varied_groups,
+)
+from vapo_megatron.trainer.scoring import score_flat
+from vapo_megatron.trainer.session import Session
+from vapo_megatron.trainer.updates import train_on
+
+logger = logging.getLogger("vapo_megatron")
+
+
+class Timer:
+    """Seconds per phase of one step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
+def sync_weights(session: Session) -> dict[str, float]:
+    """Stream the policy's weights into the rollout engine (every rank receives every tensor).
+
+    On GPU the engine's weights are woken first and its KV cache after, so the buckets in
+    flight never share the device with the KV cache; on CPU sleep and wake do nothing."""
+    policy, rollout = session.policy, session.rollout
+    rollout.wake_up(["weights"])
+    buckets = stream_policy_weights(
+        policy.chunks, policy.record, policy.config,
+        tp_group=policy.groups.parallel.tp, pp_group=policy.groups.parallel.pp,
+        bucket_bytes=session.config.rollout.weight_bucket_bytes,
+    )  # fmt: skip
+    stats = rollout.update_weights(named for bucket in buckets for named in bucket)
+    rollout.wake_up(["kv_cache"])
+    return {"sync/gb": stats.num_bytes / 1e9, "sync/buckets": stats.num_buckets}
+
+
+def collect_rollouts(
+    session: Session, step: int, *, dynamic: bool
+) -> tuple[list[Trajectory], RolloutStats]:
+    """The step's graded trajectories, group by group; with ``dynamic``, only groups whose
+    accuracies differ, sampling up to trainer.max_sampling_rounds rounds to fill the step."""
+    cfg = session.config
+    algo, rollout = cfg.algorithm, cfg.rollout
+    n = algo.samples_per_prompt
+    stats = RolloutStats()
+    kept: list[list[Trajectory]] = []
+    rounds = cfg.trainer.max_sampling_rounds if dynamic else 1
+    for round_ in range(rounds):
+        indices = session.sampler.next_indices(algo.prompts_per_step)
+        prompts = [session.train.items[i] for i in indices]
+        trajectories = generate_and_grade(
+            session.rollout, session.tokenizer, prompts, n=n, temperature=rollout.temperature,
+            top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
+            stop_token_ids=session.stop_token_ids,
+            seed=sampling_seed(cfg.trainer.seed, step, round_, session.replica),
+            routing=session.routing, grader_timeout_s=cfg.reward.timeout_s, stats=stats,
+            replica=session.replica, num_replicas=session.num_replicas,
+        )  # fmt: skip
+        stats.rounds += 1
+        stats.groups_sampled += len(prompts)
+        groups = [trajectories[i : i + n] for i in range(0, len(trajectories), n)]
+        if dynamic:
+            groups = varied_groups(trajectories, n)
+        kept.extend(groups)
+        if len(kept) >= algo.prompts_per_step:
+            break
+    kept = kept[: algo.prompts_per_step]
+    stats.groups_kept = len(kept)
+    flat = []
+    for g, group in enumerate(kept):
+        for t in group:
+            t.group = g
+            if not t.response:  # nothing to score or to carry the reward
+                stats.empty_responses += 1
+                continue
+            flat.append(t)
+    shape_rewards(flat, algo, rollout.max_new_tokens)
+    return flat, stats
+
+
+def minibatch_indices(num_samples: int, num_minibatches: int, seed: int) -> list[torch.Tensor]:
+    """A seeded permutation of the step's samples cut into ``num_minibatches`` near-equal parts."""
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_samples, generator=generator)
+    return [part for part in torch.tensor_split(order, num_minibatches) if part.numel()]
+
+
+def _mean_metrics(parts: Sequence[dict[str, float]], prefix: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name in {k for p in parts for k in p}:
+        values = [p[name] for p in parts if name in p]
+        out[f"{prefix}/{name}"] = sum(values) / len(values)
+    return out
+
+
+def run_step(session: Session, step: int, *, pretrain: bool) -> dict[str, float]:
+    """One step: VAPO (``pretrain=False``) or critic pretraining (frozen policy, Monte-Carlo
+    returns, critic updates only). Returns the step's metrics (the same on every rank)."""
+    cfg = session.config
+    algo, trainer = cfg.algorithm, cfg.trainer
+    timer = Timer()
+    metrics: dict[str, float] = {}
+
+    # 1-2. Weight sync (the policy is frozen during critic pretraining: once is enough).
+    if not (pretrain and session.rollout_synced):
+        metrics.update(sync_weights(session))
+        session.rollout_synced = True
+    timer.lap("sync")
+
+    # 3-4. Rollout and reward (dynamic sampling decides on accuracy, not the shaped score).
+    trajectories, stats = collect_rollouts(
+        session, step, dynamic=algo.dynamic_sampling and not pretrain
+    )
+    session.rollout.sleep()
+    timer.seconds["rollout"] = stats.generate_seconds
+    timer.seconds["reward"] = stats.reward_seconds
+    timer.lap("rollout_other")
+    metrics.update(_rollout_metrics(trajectories, stats, cfg.rollout.max_new_tokens))
+    if not trajectories:
+        logger.warning("step %d: no trajectories to train on (all groups filtered)", step)
+        metrics["skipped_step"] = 1.0
+        return metrics
+
+    # 5. Scoring pass: old log-probs (policy, at the sampling temperature), values (critic).
+    prompts = [t.prompt for t in trajectories]
+    responses = [t.response for t in trajectories]
+    offsets = response_offsets([len(r) for r in responses])
+    budget = trainer.micro_batch_tokens
+    old_logprobs = None
+    if not pretrain:
+        old_logprobs = score_flat(
+            session.policy, prompts, responses, output_key="logprobs", token_budget=budget,
+            scoring_fn=logprob_scoring_fn(
+                session.policy.vocab_slice, temperature=cfg.rollout.temperature
+            ),
+        )  # fmt: skip
+        rollout_lp = torch.tensor([lp for t in trajectories for lp in t.rollout_logprobs])
+        gap = (torch.exp(rollout_lp - old_logprobs) - 1).abs().mean().item()
+        metrics["rollout/logprob_gap"] = gap
+        if gap > cfg.rollout.logprob_gap_warn:
+            logger.warning(
+                "step %d: rollout/trainer log-prob gap %.3g > rollout.logprob_gap_warn=%.3g: "
+                "the engine may hold stale or wrongly synced weights",
+                step, gap, cfg.rollout.logprob_gap_warn,
+            )  # fmt: skip
+    values = None
+    if session.critic is not None:
+        # Temperature is the policy's; the critic's values are never divided by it.
+        values = score_flat(
+            session.critic, prompts, responses, output_key="values", token_budget=budget,
+            scoring_fn=value_scoring_fn(),
+        )  # fmt: skip
+    timer.lap("scoring")
+
+    # 6. Advantages and critic targets.
+    rewards = [t.reward for t in trajectories]
+    advantages = returns = None
+    if pretrain:
+        returns = adv.monte_carlo_returns(rewards, values, offsets)
+    elif algo.uses_critic:
+        advantages, returns, lam_policy = adv.gae_advantages(algo, rewards, values, offsets)
+        metrics.update(
+            {
+                "lambda_policy/mean": lam_policy.double().mean().item(),
+                "lambda_policy/min": lam_policy.min().item(),
+                "lambda_policy/max": lam_policy.max().item(),
+            }
+        )
+    else:
+        advantages = adv.group_advantages(algo, rewards, offsets)
+    if advantages is not None and trainer.whiten_advantages:
+        advantages = adv.whiten(advantages)
+    if values is not None:
+        mask = torch.ones_like(values, dtype=torch.bool)
+        ev = explained_variance(explained_variance_stats(returns, values, mask)).item()
+        metrics["critic/explained_variance"] = ev
+        metrics["critic/values_mean"] = values.double().mean().item()
+        metrics["critic/returns_mean"] = returns.double().mean().item()
+    if advantages is not None:
+        metrics["advantages/mean"] = advantages.double().mean().item()
+        metrics["advantages/std"] = (
+            advantages.double().std().item() if advantages.numel() > 1 else 0.0
+        )
+    timer.lap("advantages")
+
+    # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
+    positive = [t.acc > 0 for t in trajectories]
+    trainable_policy = [not (cfg.reward.overlong_filter and t.truncated) for t in trajectories]
+
+    def critic_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
+        return {"returns": returns[flat], "old_values": values[flat]}
+
+    def policy_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
+        length = flat.stop - flat.start
+        return {
+            "old_logprobs": old_logprobs[flat],
+            "advantages": advantages[flat],
+            "positive": torch.full((length,), positive[i], dtype=torch.bool),
+            "seq_num_tokens": torch.full((length,), float(length)),
+        }
+
+    num_minibatches = max(1, cfg.samples_per_step // trainer.mini_batch_size)
+    critic_parts, policy_parts = [], []
+    for epoch in range(trainer.ppo_epochs):
+        seed = cfg.trainer.seed * 1_000_003 + step * 101 + epoch
+        for part in minibatch_indices(len(trajectories), num_minibatches, seed):
+            chosen = part.tolist()
+            if session.critic is not None:
+                samples = build_samples(prompts, responses, chosen, offsets, critic_fields)
+                critic_parts.append(
+                    train_on(
+                        session.critic,
+                        samples,
+                        lambda norm: value_loss_fn(algo, norm),
+                        field_names=[FLAT_INDEX, "returns", "old_values"],
+                        token_budget=budget,
+                    )  # fmt: skip
+                )
+                timer.lap("update_critic")
+            if pretrain:
+                continue
+            chosen = [i for i in chosen if trainable_policy[i]]
+            if not chosen:  # every sample overlong-filtered: no update (the same on all ranks)
+                continue
+            samples: list[Sample] = build_samples(
+                prompts, responses, chosen, offsets, policy_fields
+            )
+            vocab = session.policy.vocab_slice
+            policy_parts.append(
+                train_on(
+                    session.policy,
+                    samples,
+                    lambda norm: policy_loss_fn(
+                        algo, norm, vocab, temperature=cfg.rollout.temperature
+                    ),
+                    field_names=[
+                        FLAT_INDEX,
+                        "old_logprobs",
+                        "advantages",
+                        "positive",
+                        "seq_num_tokens",
+                    ],
+                    token_budget=budget,
+                )  # fmt: skip
+            )
+            timer.lap("update_policy")
+    if policy_parts:
+        session.rollout_synced = False
+    metrics.update(_mean_metrics(critic_parts, "critic"))
+    metrics.update(_mean_metrics(policy_parts, "policy"))
+    metrics["num_minibatches"] = float(len(critic_parts) or len(policy_parts))
+
+    # 8. Metrics (the checkpoint is the loop's).
+    total = sum(timer.seconds.values())
+    for phase, seconds in timer.seconds.items():
+        metrics[f"time/{phase}"] = seconds
+    metrics["time/step"] = total
+    tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    metrics["tokens_per_second"] = tokens / total if total > 0 else math.nan
+    return metrics
+
+
+def _rollout_metrics(
+    trajectories: Sequence[Trajectory], stats: RolloutStats, max_new_tokens: int
+) -> dict[str, float]:
+    out = {
+        "rollout/rounds": float(stats.rounds),
+        "rollout/groups_sampled": float(stats.groups_sampled),
+        "rollout/groups_kept": float(stats.groups_kept),
+        "rollout/grader_errors": float(stats.grader_errors),
+        "rollout/grader_timeouts": float(stats.grader_timeouts),
+        "rollout/empty_responses": float(stats.empty_responses),
+        "num_samples": float(len(trajectories)),
+    }
+    if trajectories:
+        lengths = torch.tensor([len(t.response) for t in trajectories], dtype=torch.float64)
+        out.update(
+            {
+                "score": sum(t.score for t in trajectories) / len(trajectories),
+                "reward": sum(t.reward for t in trajectories) / len(trajectories),
+                "acc": sum(t.acc for t in trajectories) / len(trajectories),
+                "response_length/mean": lengths.mean().item(),
+                "response_length/max": lengths.max().item(),
+                "response_length/clip_frac": sum(t.truncated for t in trajectories)
+                / len(trajectories),
+            }
+        )
+    return out
