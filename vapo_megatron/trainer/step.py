@@ -236,6 +236,14 @@ def run_step(session: Session, step: int, *, pretrain: bool) -> dict[str, float]
         }
 
     num_minibatches = max(1, cfg.samples_per_step // trainer.mini_batch_size)
+    vocab = session.policy.vocab_slice
+
+    def critic_loss(norm):
+        return value_loss_fn(algo, norm)
+
+    def policy_loss(norm):
+        return policy_loss_fn(algo, norm, vocab, temperature=cfg.rollout.temperature)
+
     critic_parts, policy_parts = [], []
     for epoch in range(trainer.ppo_epochs):
         seed = cfg.trainer.seed * 1_000_003 + step * 101 + epoch
@@ -247,7 +255,7 @@ def run_step(session: Session, step: int, *, pretrain: bool) -> dict[str, float]
                     train_on(
                         session.critic,
                         samples,
-                        lambda norm: value_loss_fn(algo, norm),
+                        critic_loss,
                         field_names=[FLAT_INDEX, "returns", "old_values"],
                         token_budget=budget,
                     )  # fmt: skip
@@ -261,14 +269,11 @@ def run_step(session: Session, step: int, *, pretrain: bool) -> dict[str, float]
             samples: list[Sample] = build_samples(
                 prompts, responses, chosen, offsets, policy_fields
             )
-            vocab = session.policy.vocab_slice
             policy_parts.append(
                 train_on(
                     session.policy,
                     samples,
-                    lambda norm: policy_loss_fn(
-                        algo, norm, vocab, temperature=cfg.rollout.temperature
-                    ),
+                    policy_loss,
                     field_names=[
                         FLAT_INDEX,
                         "old_logprobs",
