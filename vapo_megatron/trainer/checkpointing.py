@@ -44,8 +44,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
-from vapo_megatron.models.checkpoint import CheckpointMetadata, save_model_weights
+from vapo_megatron.models.checkpoint import CheckpointMetadata, save_sharded_state
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class TrainableState:
     weights_meta: CheckpointMetadata | None = None
     """When set, the weights are also written in the reshardable format with this metadata
     (collective over the default process group)."""
+    dp_cp_group: dist.ProcessGroup | None = None
+    """The model's data x context parallel group, which decides who writes which replica of
+    the reshardable weights; None: megatron-core's ``parallel_state`` one."""
 
     @classmethod
     def from_engine(
@@ -89,18 +93,18 @@ class TrainableState:
     ) -> TrainableState:
         """The state of a ``ModelEngine`` (``trainer/model_engine.py``)."""
         layout = dataclasses.asdict(engine.layout)
-        model_parallel = engine.layout.tp * engine.layout.pp * engine.layout.cp
         layout.update(
-            dp=dist.get_world_size() // model_parallel,
+            dp=engine.groups.dp_size,
             params_dtype=str(engine.config.params_dtype),
             distributed_optimizer=engine.chunks[0].ddp_config.use_distributed_optimizer,
         )
         return cls(
             chunks=engine.chunks,
             optimizer=engine.optimizer,
-            scheduler=getattr(engine, "scheduler", None),
+            scheduler=engine.scheduler,
             layout=layout,
             weights_meta=weights_meta,
+            dp_cp_group=engine.groups.pg_collection.dp_cp,
         )
 
 
@@ -243,9 +247,7 @@ def save_train_checkpoint(
     for name, state in models.items():
         _save(_model_state(state), tmp / name / own)
         if state.weights_meta is not None:
-            meta = state.weights_meta
-            meta = dataclasses.replace(meta, origin={**meta.origin, "train_step": step})
-            save_model_weights(state.chunks, tmp / name / WEIGHTS, meta)
+            _save_weights(state, tmp / name / WEIGHTS, step)
     if rank == 0:
         _save(extra, tmp / EXTRA)
         meta = {
@@ -325,6 +327,20 @@ def _check_compatible(
             "only at the same layout: export the weights (`tools/convert.py mcore-to-hf` on "
             f"{directory}/<model>/{WEIGHTS}) and start from them instead"
         )
+
+
+def _save_weights(state: TrainableState, directory: Path, step: int) -> None:
+    """``models/checkpoint.py``'s format (what ``save_model_weights`` writes), with replica ids
+    from the model's own data x context group: with per-model groups, ``parallel_state``'s
+    may belong to the other model's layout."""
+    meta = state.weights_meta
+    meta = dataclasses.replace(meta, origin={**meta.origin, "train_step": step})
+    metadata = None if state.dp_cp_group is None else {"dp_cp_group": state.dp_cp_group}
+    sharded = {
+        f"model{i}": unwrap_model(chunk).sharded_state_dict(metadata=metadata)
+        for i, chunk in enumerate(state.chunks)
+    }
+    save_sharded_state(sharded, directory, meta)
 
 
 def _from_rank0(value: Any, group: dist.ProcessGroup | None) -> Any:
