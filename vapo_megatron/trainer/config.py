@@ -119,6 +119,8 @@ class RewardSettings:
 
     routing: dict[str, str] = field(default_factory=dict)
     """Extra data_source -> grader name mappings on top of the defaults."""
+    plugins: list[str] = field(default_factory=list)
+    """Python modules imported at start on every rank; they register graders (rewards.registry.register_grader)."""
     timeout_s: float = 10.0
     """A grader running longer scores the response as wrong (counted in grader_timeouts)."""
     overlong_filter: bool = False

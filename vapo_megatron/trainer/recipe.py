@@ -162,6 +162,10 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
         if value not in args:
             raise ValueError(f"{where}={value!r} must be one of {list(args)}")
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{where} must be a list, got {value!r}")
+        return [_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ValueError(f"{where} must be a mapping, got {value!r}")

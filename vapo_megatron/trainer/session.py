@@ -8,6 +8,7 @@ rollout TP 1) is started last, once the process group exists.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ def init_distributed() -> None:
         from vapo_megatron.parallel.cpu_shim import apply_cpu_shim
 
         apply_cpu_shim()
+    from vapo_megatron.models.megatron_patches import apply_megatron_patches
+
+    apply_megatron_patches()
 
 
 @dataclass
@@ -114,6 +118,14 @@ class Session:
         torch.manual_seed(config.trainer.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.stop_token_ids = _stop_ids(self.tokenizer, config.model.path)
+        for module in config.reward.plugins:
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                raise ValueError(
+                    f"reward.plugins: cannot import {module!r} ({err}); put it on PYTHONPATH "
+                    "or remove it from the recipe"
+                ) from err
         self.routing = resolve_routing(config.reward.routing)
         self.train = read_prompts(config, config.data.train_path, self.tokenizer, self.routing)
         self.eval = (

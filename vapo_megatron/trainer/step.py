@@ -180,7 +180,8 @@ def run_step(session: Session, step: int, *, pretrain: bool) -> dict[str, float]
                 step, gap, cfg.rollout.logprob_gap_warn,
             )  # fmt: skip
     values = None
-    if session.critic is not None:
+    uses_critic = algo.uses_critic and session.critic is not None
+    if uses_critic:
         # Temperature is the policy's; the critic's values are never divided by it.
         values = score_flat(
             session.critic, prompts, responses, output_key="values", token_budget=budget,
@@ -249,7 +250,7 @@ def run_step(session: Session, step: int, *, pretrain: bool) -> dict[str, float]
         seed = cfg.trainer.seed * 1_000_003 + step * 101 + epoch
         for part in minibatch_indices(len(trajectories), num_minibatches, seed):
             chosen = part.tolist()
-            if session.critic is not None:
+            if uses_critic:
                 samples = build_samples(prompts, responses, chosen, offsets, critic_fields)
                 critic_parts.append(
                     train_on(
