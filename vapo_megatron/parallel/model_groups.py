@@ -11,7 +11,9 @@ DistributedDataParallel, get_megatron_optimizer, finalize_model_grads and the pi
 schedules read from a ``ProcessGroupCollection`` (MoE groups included: DDP and the optimizer
 ask for them even for dense models; with ep = 1 they coincide with the dense ones).
 
-What stays process-global (one per process, shared by both models), and why that is harmless:
+What stays process-global (one per process, shared by both models), and why that is harmless
+(found by recording every ``parallel_state`` getter and every collective without a group
+during the mixed-layout test's build, scoring, training step and weight export):
 
 - Megatron's RNG tracker (``tensor_parallel.get_cuda_rng_tracker``): seeded once
   (:func:`seed_rng_tracker`) with the first model's TP rank. It only feeds dropout (0 in every
@@ -20,8 +22,16 @@ What stays process-global (one per process, shared by both models), and why that
   used by one model at a time (:func:`ensure_global_memory_buffer`).
 - ``get_megatron_optimizer`` runs one ``all_gather_object`` over the world to align parameter
   groups: every model spans all ranks, and every rank builds the models in the same order.
+- ``get_tensor_model_parallel_group_if_none`` (tensor-parallel layers, mappings, MLP,
+  embedding, finalize_model_grads) asks ``parallel_state.is_initialized()`` but returns the
+  group it is given, and every module is given its model's.
 - ``dist_checkpointing`` replica ids (``sharded_state_dict``) read ``parallel_state`` unless
-  ``metadata={"dp_cp_group": ...}`` is passed: checkpoint code passes this model's group.
+  ``metadata={"dp_cp_group": ...}`` is passed: checkpoint code must pass this model's group.
+
+Not global, though megatron falls back to ``parallel_state`` when not handed groups: the
+schedule and its p2p communicator, finalize_model_grads (DP, SP norms, tied embeddings),
+RoPE's CP chunks, the stage's layer offset, the optimizer's grad-norm group: the engine
+hands each one this model's groups.
 """
 
 from __future__ import annotations
@@ -97,7 +107,9 @@ def build_model_groups(*, tp: int, pp: int, cp: int, world_size: int | None = No
 
     Collective: every rank calls it with the same sizes, in the same order (once per model),
     because ``torch.distributed.new_group`` must be called by all ranks for every group.
-    DP takes the remaining ranks: dp = world / (tp * pp * cp).
+    DP takes the remaining ranks: dp = world / (tp * pp * cp). Also creates megatron's scratch
+    buffer, so a later ``parallel_state.initialize_model_parallel`` must come after
+    ``destroy_global_memory_buffer()`` (``cpu_shim.initialize_megatron_cpu`` does that).
     """
     world = dist.get_world_size() if world_size is None else world_size
     sizes = layout_sizes(tp=tp, pp=pp, cp=cp, world_size=world)
