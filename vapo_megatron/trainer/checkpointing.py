@@ -39,14 +39,18 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.utils import unwrap_model
 
 from vapo_megatron.models.checkpoint import CheckpointMetadata, save_sharded_state
+
+if TYPE_CHECKING:
+    from vapo_megatron.trainer.model_engine import ModelEngine
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +77,7 @@ class TrainableState:
 
     chunks: Sequence[torch.nn.Module]
     """This rank's DDP-wrapped model chunks."""
-    optimizer: Any
+    optimizer: MegatronOptimizer
     """Its megatron-core optimizer (``get_megatron_optimizer``)."""
     scheduler: Stateful | None = None
     """Learning-rate / weight-decay scheduler (``OptimizerParamScheduler``); None: none."""
@@ -89,7 +93,7 @@ class TrainableState:
 
     @classmethod
     def from_engine(
-        cls, engine: Any, *, weights_meta: CheckpointMetadata | None = None
+        cls, engine: ModelEngine, *, weights_meta: CheckpointMetadata | None = None
     ) -> TrainableState:
         """The state of a ``ModelEngine`` (``trainer/model_engine.py``)."""
         layout = dataclasses.asdict(engine.layout)
@@ -321,11 +325,17 @@ def _check_compatible(
     saved = {name: entry["layout"] for name, entry in meta["models"].items()}
     current = json.loads(json.dumps({name: state.layout for name, state in models.items()}))
     if meta["world_size"] != world_size or saved != current:
+        with_weights = [name for name, entry in meta["models"].items() if entry["weights"]]
+        export = (
+            f"export the weights (`tools/convert.py mcore-to-hf --ckpt {directory}/<model>/"
+            f"{WEIGHTS}`, models {with_weights}) and start from them instead"
+            if with_weights
+            else "this checkpoint has no reshardable weights to export (save with weights_meta)"
+        )
         raise ValueError(
             f"{directory} was saved with world size {meta['world_size']} and layouts {saved}; "
             f"this run has world size {world_size} and layouts {current}. Resume state loads "
-            "only at the same layout: export the weights (`tools/convert.py mcore-to-hf` on "
-            f"{directory}/<model>/{WEIGHTS}) and start from them instead"
+            f"only at the same layout and world size: {export}"
         )
 
 
@@ -376,15 +386,13 @@ def _cpu_copy(tree: Any) -> Any:
     return tree
 
 
-def _sub_optimizers(optimizer: Any) -> list[Any]:
-    from megatron.core.optimizer import ChainedOptimizer
-
+def _sub_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     if isinstance(optimizer, ChainedOptimizer):
         return list(optimizer.chained_optimizers)
     return [optimizer]
 
 
-def _stepped_params(optimizer: Any) -> list[torch.Tensor]:
+def _stepped_params(optimizer: MegatronOptimizer) -> list[torch.Tensor]:
     """The tensors the inner torch optimizer updates: fp32 main params or their shards."""
     return [p for group in optimizer.optimizer.param_groups for p in group["params"]]
 
