@@ -1,0 +1,277 @@
+"""A complete tiny Hugging Face model directory for the synthetic task, built on the spot.
+
+- Tokenizer: byte-level BPE trained on the task's text (problems under the prompt template,
+  worked solutions), so any string round-trips exactly and the task's numbers and words are
+  mostly single tokens. Special tokens ``<|endoftext|>`` (eos) and ``<|pad|>``.
+- Policy: ``Qwen2ForCausalLM`` with random weights from the seed, in a shape vLLM's CPU build
+  runs (head_dim 64) and Megatron splits at TP 2 / PP 2 (2 heads, 2 layers).
+- Warm-up (optional): a short supervised run on (prompt, solution) pairs of the train split,
+  loss on the solution and eos tokens only, so RL starts from a low but non-zero pass rate.
+
+Everything is a function of the seed: the corpus, the BPE merges, the initial weights and the
+warm-up's data order; the warm-up runs on one CPU thread, so its weights are bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from vapo_megatron.data.prompts import PromptRecord
+from vapo_megatron.data.synthetic import DATA_SOURCE, make_rows, read_rows, solve
+from vapo_megatron.data.templates import DAPO_PREFIX, DAPO_SUFFIX, encode_prompt
+from vapo_megatron.rewards.dapo_math import grade
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+TOKENIZER_VOCAB_SIZE = 510
+"""BPE vocabulary target: 256 bytes, merges and the 2 special tokens (DAPO's 2 phrases come on top)."""
+WARMUP_TEMPLATES = ("dapo", "raw")
+"""Prompt templates the tiny model can be built for (it has no chat template)."""
+CORPUS_ROWS = 2000
+"""Rows drawn for the tokenizer's corpus when no train split is given."""
+
+
+def train_tokenizer(
+    texts: Sequence[str], *, vocab_size: int = TOKENIZER_VOCAB_SIZE
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on ``texts``, with eos and pad tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    # Digit runs split off first, so "50" is the same token in "8+42=50" and "Answer: 50".
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    # DAPO's instruction is the same in every prompt of the 'dapo' template: one token for each
+    # side keeps prompts ~20 tokens instead of ~70, which is most of the tiny model's compute.
+    tokenizer.add_tokens(
+        [
+            AddedToken(phrase, normalized=False, special=False)
+            for phrase in (DAPO_PREFIX, DAPO_SUFFIX)
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1024,
+    )
+
+
+def tiny_qwen2_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
+    """The tiny policy's config: head_dim 64 for vLLM's CPU kernels, 2 heads and 2 layers for TP/PP 2."""
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=1024,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+
+
+def write_tiny_model(
+    out_dir: str | Path,
+    *,
+    seed: int,
+    warmup_steps: int = 0,
+    train_path: str | Path | None = None,
+    template: str = "dapo",
+) -> Path:
+    """Writes tokenizer + Qwen2 policy (+ warm-up) to ``out_dir``; returns ``out_dir``.
+
+    The tokenizer's corpus and the warm-up data are the rows of ``train_path`` (a plain JSONL
+    split from ``synthetic.write_split``), or rows drawn from ``seed`` when it is None.
+    ``template`` is how prompts are encoded in the warm-up; it must be the one the RL run uses.
+    """
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if template not in WARMUP_TEMPLATES:
+        raise ValueError(
+            f"template {template!r} cannot be used: the tiny tokenizer has no chat template; "
+            f"choose one of {list(WARMUP_TEMPLATES)}"
+        )
+    rows = read_rows(train_path) if train_path is not None else make_rows(CORPUS_ROWS, seed)
+    tokenizer = train_tokenizer(_corpus(rows))
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(tokenizer))
+    if warmup_steps > 0:
+        warm_up(model, tokenizer, rows, steps=warmup_steps, seed=seed, template=template)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def warm_up(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    rows: Sequence[dict[str, str]],
+    *,
+    steps: int,
+    seed: int,
+    template: str = "dapo",
+    batch_size: int = 16,
+    lr: float = 3e-3,
+) -> dict[str, float]:
+    """Supervised warm-up on (prompt, worked solution + eos); returns the last loss and seconds.
+
+    AdamW with a short linear ramp and cosine decay; batches are taken in a seeded permutation
+    of the rows, one epoch after another. Runs on one thread for bit-identical weights.
+    """
+    examples = [_sft_example(row, tokenizer, template) for row in rows]
+    order_rng = random.Random(seed)
+    order: list[int] = []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    ramp = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min((s + 1) / ramp, 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model.train()
+    start = time.perf_counter()
+    loss = torch.zeros(())
+    try:
+        for _ in range(steps):
+            if len(order) < batch_size:
+                epoch = list(range(len(examples)))
+                order_rng.shuffle(epoch)
+                order.extend(epoch)
+            batch = [examples[i] for i in order[:batch_size]]
+            del order[:batch_size]
+            input_ids, labels, attention_mask = _collate(batch, tokenizer.pad_token_id)
+            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+    finally:
+        torch.set_num_threads(threads)
+        model.eval()
+    return {"loss": loss.item(), "seconds": time.perf_counter() - start}
+
+
+@torch.no_grad()
+def pass_rate(
+    model: Any,
+    tokenizer: PreTrainedTokenizerFast,
+    rows: Sequence[dict[str, str]],
+    *,
+    temperature: float,
+    seed: int = 0,
+    template: str = "dapo",
+    max_new_tokens: int = 96,
+    batch_size: int = 32,
+) -> float:
+    """Fraction of ``rows`` DAPO's grader marks correct, sampled with ``transformers.generate``.
+
+    ``temperature`` 0 is greedy; otherwise plain sampling (no top-k / top-p), as the rollout
+    samples. Prompts are left-padded in batches of ``batch_size``.
+    """
+    torch.manual_seed(seed)
+    model.eval()
+    correct = 0
+    for begin in range(0, len(rows), batch_size):
+        chunk = rows[begin : begin + batch_size]
+        prompts = [_prompt_ids(row, tokenizer, template) for row in chunk]
+        width = max(map(len, prompts))
+        pad = tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+            if temperature > 0
+            else {"do_sample": False}
+        )
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=pad,
+            **sampling,
+        )
+        for row, response in zip(chunk, output[:, width:], strict=True):
+            text = tokenizer.decode(response, skip_special_tokens=True)
+            correct += grade(text, row["answer"]).acc == 1.0
+    return correct / max(len(rows), 1)
+
+
+def _corpus(rows: Sequence[dict[str, str]]) -> list[str]:
+    """The tokenizer's training texts: each problem and its worked solution."""
+    return [text for row in rows for text in (row["prompt"], solve(row["prompt"])[1])]
+
+
+def _record(row: dict[str, str]) -> PromptRecord:
+    return PromptRecord(
+        index=0,
+        data_source=row.get("data_source", DATA_SOURCE),
+        messages=None,
+        text=row["prompt"],
+        answer=row["answer"],
+    )
+
+
+def _prompt_ids(
+    row: dict[str, str], tokenizer: PreTrainedTokenizerFast, template: str
+) -> list[int]:
+    return encode_prompt(_record(row), tokenizer, template)
+
+
+def _sft_example(
+    row: dict[str, str], tokenizer: PreTrainedTokenizerFast, template: str
+) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids): the response is the worked solution then eos."""
+    solution = solve(row["prompt"])[1]
+    response = tokenizer(solution, add_special_tokens=False)["input_ids"]
+    return _prompt_ids(row, tokenizer, template), [*response, tokenizer.eos_token_id]
+
+
+def _collate(
+    batch: Sequence[tuple[list[int], list[int]]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input_ids, labels (-100 on prompt and padding), attention_mask: each [B, T]."""
+    width = max(len(p) + len(r) for p, r in batch)
+    input_ids, labels, attention_mask = [], [], []
+    for prompt, response in batch:
+        pad = width - len(prompt) - len(response)
+        input_ids.append(prompt + response + [pad_id] * pad)
+        labels.append([-100] * len(prompt) + response + [-100] * pad)
+        attention_mask.append([1] * (len(prompt) + len(response)) + [0] * pad)
+    return torch.tensor(input_ids), torch.tensor(labels), torch.tensor(attention_mask)
