@@ -158,7 +158,8 @@ class ModelEngine:
             use_gloo_process_groups=False,
             pg_collection=pgs,
         )
-        # Weight decay: megatron's parameter groups exempt biases and 1-D tensors (wd_mult 0).
+        # It also sets each group's weight decay to weight_decay * megatron's wd_mult, which is
+        # 0 for biases and 1-D tensors (norms): only matrices decay.
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,
