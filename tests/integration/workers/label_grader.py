@@ -1,0 +1,15 @@
+"""A grader for the critic-pretraining test (loaded with reward.plugins): the ground truth is
+the reward itself ("1" or "-1"), decided by the prompt alone, so a critic that learns to read
+the prompt explains the returns; one that does not learn stays near zero."""
+
+from vapo_megatron.rewards import GradeResult
+from vapo_megatron.rewards.registry import register_grader
+
+
+def label(response: str, ground_truth: str) -> GradeResult:
+    del response
+    correct = ground_truth.strip() == "1"
+    return GradeResult(score=1.0 if correct else -1.0, acc=1.0 if correct else 0.0)
+
+
+register_grader("label", label, replace=True)

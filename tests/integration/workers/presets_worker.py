@@ -1,0 +1,42 @@
+"""Worker: every algorithm preset runs one training step in one session (world 1).
+
+The session is built once (policy, critic, one vLLM engine); each preset then swaps in its
+AlgoConfig with the batch shrunk to the tiny task (its shape kept: n = 1 stays 1) and runs one
+step. Usage: python presets_worker.py RECIPE key=value...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+from vapo_megatron.algorithms.presets import PRESETS, algo_preset
+from vapo_megatron.trainer.recipe import load_recipe
+from vapo_megatron.trainer.session import Session
+from vapo_megatron.trainer.step import run_step
+
+
+def main(recipe: str, overrides: list[str]) -> None:
+    config = load_recipe(recipe, overrides)
+    session = Session(config, Path(config.trainer.run_dir))
+    for i, name in enumerate(sorted(PRESETS)):
+        base = algo_preset(name)
+        n = 1 if base.samples_per_prompt == 1 else 4
+        algo = dataclasses.replace(
+            base, prompts_per_step=16 // n, samples_per_prompt=n,
+            overlong_buffer_len=None if base.overlong_buffer_len is None else 32,
+        )  # fmt: skip
+        session.config = dataclasses.replace(config, algorithm=algo)
+        metrics = run_step(session, i + 1, pretrain=False)
+        assert math.isfinite(metrics["policy/pg_loss"]), (name, metrics)
+        assert algo.uses_critic == ("critic/value_loss" in metrics), name
+        if algo.uses_critic:
+            assert math.isfinite(metrics["critic/value_loss"]), (name, metrics)
+        print(f"preset {name}: one step, pg_loss {metrics['policy/pg_loss']:+.4f}", flush=True)
+    session.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
