@@ -1,6 +1,6 @@
 """Benchmarks. Each prints a table and, as its last line, one JSON object.
 
-    python tools/bench.py gae
+    python tools/bench.py gae|model|convert|sync|step
 
 Timings are ratios against a reference measured in the same run, so a noisy shared machine
 moves both sides together.
@@ -19,6 +19,7 @@ BENCHES = {
     "model": "bench_model",
     "convert": "bench_convert",
     "sync": "bench_sync",
+    "step": "bench_step",
 }
 
 

@@ -4,6 +4,7 @@ after kill -9. Each run is a few steps of real vLLM-CPU rollouts and Megatron tr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,6 +30,20 @@ pytest.importorskip("vllm", reason="vllm is not installed (make test installs vl
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 WORKERS = Path(__file__).parent / "workers"
 NO_PRETRAIN = "algorithm.value_pretrain_steps=0"
+
+
+@contextlib.contextmanager
+def plugins_on_path():
+    """Put tests/integration/workers (the test graders) on the ranks' PYTHONPATH."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(WORKERS) + (os.pathsep + before if before else "")
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +112,7 @@ def test_critic_pretraining_raises_explained_variance(assets, tmp_path):
             answer = "1" if row["prompt"].startswith("Add") else "-1"
             f.write(json.dumps({**row, "answer": answer, "data_source": "label"}) + "\n")
     run = tmp_path / "run"
-    env_path = str(REPO_ROOT / "tests" / "integration" / "workers")
-    os.environ["PYTHONPATH"] = env_path + os.pathsep + os.environ.get("PYTHONPATH", "")
-    try:
+    with plugins_on_path():
         run_trainer(
             run, {**assets, "data.train_path": str(labelled)}, 1, "policy.layout.tp=1",
             "critic.layout.tp=1", "reward.plugins=[label_grader]", "reward.routing={label: label}",
@@ -107,8 +120,6 @@ def test_critic_pretraining_raises_explained_variance(assets, tmp_path):
             "critic.optim.lr=1e-3", "trainer.steps=0", "data.eval_path=null", "eval.at_end=false",
             "trainer.export_hf=false", "rollout.max_new_tokens=16",
         )  # fmt: skip
-    finally:
-        os.environ["PYTHONPATH"] = os.environ["PYTHONPATH"].split(os.pathsep, 1)[1]
     pretrain = read_metrics(run, "critic_pretrain")
     ev = [pretrain[s]["critic/explained_variance"] for s in sorted(pretrain)]
     assert len(ev) == 12
@@ -116,12 +127,16 @@ def test_critic_pretraining_raises_explained_variance(assets, tmp_path):
 
 
 def test_every_preset_runs_one_step(assets, tmp_path):
+    """The coin grader gives varied rewards in every group, so DAPO's dynamic sampling keeps
+    groups and every preset takes a real update."""
     args = [f"{k}={v}" for k, v in assets.items()]
-    outputs = run_workers(
-        WORKERS / "presets_worker.py", 1, str(REPO_ROOT / "recipes" / "tiny_cpu.yaml"), *args,
-        f"trainer.run_dir={tmp_path / 'run'}", "policy.layout.tp=1", "critic.layout.tp=1",
-        NO_PRETRAIN, timeout=420,
-    )  # fmt: skip
+    with plugins_on_path():
+        outputs = run_workers(
+            WORKERS / "presets_worker.py", 1, str(REPO_ROOT / "recipes" / "tiny_cpu.yaml"), *args,
+            f"trainer.run_dir={tmp_path / 'run'}", "policy.layout.tp=1", "critic.layout.tp=1",
+            NO_PRETRAIN, "reward.plugins=[label_grader]", "reward.routing={math_dapo: coin}",
+            timeout=420,
+        )  # fmt: skip
     from vapo_megatron.algorithms.presets import PRESETS
 
     for name in PRESETS:

@@ -73,6 +73,8 @@ def test_base_and_overrides(tmp_path):
     assert (config.trainer.steps, config.trainer.seed) == (9, 3)  # merged, not replaced
     assert (config.policy.layout.tp, config.policy.layout.pp) == (2, 2)
     assert config.eval.max_prompts is None and config.rollout.top_p == 0.5
+    # YAML 1.1 reads 1e-3 as a string; a float field takes it as the number.
+    assert load_recipe(tmp_path / "child.yaml", ["critic.optim.lr=1e-3"]).critic.optim.lr == 1e-3
 
 
 def test_resolved_config_round_trips(tmp_path):

@@ -190,14 +190,18 @@ def train(config: TrainConfig) -> dict:
             metrics = run_step(session, step, pretrain=False)
             run.state["step"] = step
             metrics_log.log(step, metrics, phase="train")
+            preempted = flag.should_save()
+            every = config.trainer.checkpoint_every
+            if preempted or (every and step % every == 0 and step < config.trainer.steps):
+                started = time.perf_counter()
+                run.save()
+                metrics_log.log(
+                    step, {"seconds": time.perf_counter() - started}, phase="checkpoint"
+                )
+            if preempted:
+                return _preempted(session, run)
             if session.eval is not None and config.eval.every and step % config.eval.every == 0:
                 metrics_log.log(step, evaluate(session, step), phase="eval")
-            every = config.trainer.checkpoint_every
-            if flag.should_save():
-                run.save()
-                return _preempted(session, run)
-            if every and step % every == 0 and step < config.trainer.steps:
-                run.save()
         if latest_step(run.root) != run._checkpoint_index():
             run.save()
         if session.eval is not None and config.eval.at_end:

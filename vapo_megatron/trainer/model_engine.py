@@ -15,6 +15,7 @@ never ``parallel_state``. What megatron still keeps per process is listed in tha
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -141,6 +142,8 @@ class ModelEngine:
                     self.config, ddp_config, module, disable_bucketing=i > 0, pg_collection=pgs
                 )
             )
+        self.compute_seconds = 0.0
+        """Seconds spent in Megatron's schedule (forward/backward) and optimizer steps."""
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -301,7 +304,8 @@ class ModelEngine:
         # The pipelined schedules take p2p from the communicator, the rest from pg_collection.
         p2p = P2PCommunicator(pp_group=pgs.pp, config=self.config) if self.layout.pp > 1 else None
         with torch.set_grad_enabled(not forward_only):
-            return schedule(
+            start = time.perf_counter()
+            outputs = schedule(
                 forward_step_func=forward_step,
                 data_iterator=[iter(micro_batches) for _ in self.chunks],
                 model=self.chunks,
@@ -312,6 +316,8 @@ class ModelEngine:
                 p2p_communicator=p2p,
                 pg_collection=pgs,
             )
+            self.compute_seconds += time.perf_counter() - start
+            return outputs
 
     def step(self) -> dict[str, float]:
         """Apply the accumulated gradients: Adam with clipping at the scheduled learning rate.
@@ -321,7 +327,9 @@ class ModelEngine:
         """
         self.scheduler.step(1)
         lr = self.optimizer.param_groups[0]["lr"]  # every group shares one schedule
+        start = time.perf_counter()
         updated, grad_norm, _ = self.optimizer.step()
+        self.compute_seconds += time.perf_counter() - start
         if not updated:
             raise RuntimeError("the optimizer skipped its step (non-finite gradients)")
         return {

@@ -179,6 +179,11 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise ValueError(f"{where} must be an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where} must be a number, got {value!r}")
         return float(value)

@@ -136,6 +136,8 @@ def run_step(session: Session, step: int, *, pretrain: bool) -> dict[str, float]
     algo, trainer = cfg.algorithm, cfg.trainer
     timer = Timer()
     metrics: dict[str, float] = {}
+    engines = [e for e in (session.policy, session.critic) if e is not None]
+    compute_before = sum(e.compute_seconds for e in engines)
 
     # 1-2. Weight sync (the policy is frozen during critic pretraining: once is enough).
     if not (pretrain and session.rollout_synced):
@@ -297,6 +299,11 @@ def run_step(session: Session, step: int, *, pretrain: bool) -> dict[str, float]
     for phase, seconds in timer.seconds.items():
         metrics[f"time/{phase}"] = seconds
     metrics["time/step"] = total
+    # Our own overhead: everything but vLLM generation and Megatron forward/backward/optimizer.
+    megatron = sum(e.compute_seconds for e in engines) - compute_before
+    metrics["time/megatron"] = megatron
+    metrics["time/overhead"] = total - megatron - timer.seconds.get("rollout", 0.0)
+    metrics["overhead_fraction"] = metrics["time/overhead"] / total if total > 0 else math.nan
     tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     metrics["tokens_per_second"] = tokens / total if total > 0 else math.nan
     return metrics

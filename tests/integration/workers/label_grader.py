@@ -13,3 +13,14 @@ def label(response: str, ground_truth: str) -> GradeResult:
 
 
 register_grader("label", label, replace=True)
+
+
+def coin(response: str, ground_truth: str) -> GradeResult:
+    """Correct when the response has an even number of characters: rewards vary within every
+    group, so dynamic sampling keeps groups and every preset has something to learn from."""
+    del ground_truth
+    correct = len(response) % 2 == 0
+    return GradeResult(score=1.0 if correct else -1.0, acc=1.0 if correct else 0.0)
+
+
+register_grader("coin", coin, replace=True)
