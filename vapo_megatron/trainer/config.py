@@ -162,7 +162,7 @@ class CriticPretrainSettings:
     min_delta: float = 0.01
     """Improvement of explained variance that resets the plateau count."""
     offline_rollouts: str | None = None
-    """Fit from rollouts saved by an earlier run (a rollouts/ directory) instead of sampling."""
+    """Fit from rollouts saved by an earlier run (its RUN_DIR/rollouts directory) instead of sampling; step k fits the k-th file."""
     save_rollouts: bool = False
     """Save each pretraining step's rollouts under run_dir/rollouts/ (for offline fits)."""
 

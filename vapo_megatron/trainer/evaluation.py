@@ -48,3 +48,39 @@ def evaluate(session, step: int, prompts: Sequence | None = None) -> dict[str, f
         "grader_timeouts": float(stats.grader_timeouts),
         "seconds": stats.generate_seconds + stats.reward_seconds,
     }
+
+
+class EvalSession:
+    """What evaluation needs and nothing more: the tokenizer, the eval prompts and a rollout
+    engine started from an HF directory (``vapo-eval``; no training models)."""
+
+    def __init__(self, config) -> None:
+        import torch.distributed as dist
+        from transformers import AutoTokenizer
+
+        from vapo_megatron.rewards.registry import resolve_routing
+        from vapo_megatron.trainer import session as train_session
+
+        train_session.init_distributed()
+        config.check(dist.get_world_size())
+        self.config = config
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        train_session.import_plugins(config.reward.plugins)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.stop_token_ids = train_session.stop_token_ids(self.tokenizer, config.model.path)
+        self.routing = resolve_routing(config.reward.routing)
+        self.eval = train_session.read_prompts(
+            config, config.data.eval_path, self.tokenizer, self.routing
+        )
+        self.rollout = train_session.start_rollout(config, self.rank)
+        self.rollout_synced = True  # the engine loaded model.path itself
+        self.replica = self.rank // config.rollout.tensor_parallel_size
+        self.num_replicas = self.world_size // config.rollout.tensor_parallel_size
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+        self.rollout.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()

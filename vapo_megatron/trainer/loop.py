@@ -166,7 +166,9 @@ def train(config: TrainConfig) -> dict:
         if run.stop_rule is not None and not run.state["pretrain_done"]:
             while True:
                 step = run.state["pretrain_step"] + 1
-                metrics = run_step(session, PRETRAIN_SEED_KEY + step, pretrain=True)
+                metrics = run_step(
+                    session, PRETRAIN_SEED_KEY + step, pretrain=True, pretrain_index=step
+                )
                 run.state["pretrain_step"] = step
                 metrics_log.log(step, metrics, phase="critic_pretrain")
                 if run.stop_rule.update(

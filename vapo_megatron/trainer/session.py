@@ -114,15 +114,8 @@ class Session:
         config.check(self.world_size)
         torch.manual_seed(config.trainer.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-        self.stop_token_ids = _stop_ids(self.tokenizer, config.model.path)
-        for module in config.reward.plugins:
-            try:
-                importlib.import_module(module)
-            except ImportError as err:
-                raise ValueError(
-                    f"reward.plugins: cannot import {module!r} ({err}); put it on PYTHONPATH "
-                    "or remove it from the recipe"
-                ) from err
+        self.stop_token_ids = stop_token_ids(self.tokenizer, config.model.path)
+        import_plugins(config.reward.plugins)
         self.routing = resolve_routing(config.reward.routing)
         self.train = read_prompts(config, config.data.train_path, self.tokenizer, self.routing)
         self.eval = (
@@ -223,24 +216,7 @@ class Session:
         self.critic.load_hf(dict(source.read(source.names)))
 
     def _start_rollout(self):
-        from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
-
-        r = self.config.rollout
-        if r.tensor_parallel_size != 1:
-            raise ValueError(
-                f"rollout.tensor_parallel_size={r.tensor_parallel_size}: engine replicas of vLLM "
-                "TP > 1 inside the training job (vLLM's external_launcher) are not built yet; "
-                "set rollout.tensor_parallel_size=1 (one engine per rank)"
-            )
-        return RolloutEngine(
-            RolloutConfig(
-                model_path=self.config.model.path, tensor_parallel_size=r.tensor_parallel_size,
-                dtype=r.dtype, max_model_len=r.max_model_len,
-                seed=self.config.trainer.seed + self.rank, kv_cache_bytes=r.kv_cache_bytes,
-                gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-                weight_bucket_bytes=r.weight_bucket_bytes,
-            )
-        )  # fmt: skip
+        return start_rollout(self.config, self.rank)
 
     @property
     def num_replicas(self) -> int:
@@ -262,7 +238,40 @@ def _is_model_dir(path: Path) -> bool:
     return (path / mckpt.METADATA_NAME).is_file() or (path / "config.json").is_file()
 
 
-def _stop_ids(tokenizer, model_path: str) -> list[int]:
+def import_plugins(modules) -> None:
+    """reward.plugins: import each module (it registers its graders)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ValueError(
+                f"reward.plugins: cannot import {module!r} ({err}); put it on PYTHONPATH "
+                "or remove it from the recipe"
+            ) from err
+
+
+def start_rollout(config: TrainConfig, rank: int):
+    """This rank's vLLM engine, started from model.path."""
+    from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
+
+    r = config.rollout
+    if r.tensor_parallel_size != 1:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size}: engine replicas of vLLM "
+            "TP > 1 inside the training job (vLLM's external_launcher) are not built yet; "
+            "set rollout.tensor_parallel_size=1 (one engine per rank)"
+        )
+    return RolloutEngine(
+        RolloutConfig(
+            model_path=config.model.path, tensor_parallel_size=r.tensor_parallel_size,
+            dtype=r.dtype, max_model_len=r.max_model_len, seed=config.trainer.seed + rank,
+            kv_cache_bytes=r.kv_cache_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
+            enforce_eager=r.enforce_eager, weight_bucket_bytes=r.weight_bucket_bytes,
+        )
+    )  # fmt: skip
+
+
+def stop_token_ids(tokenizer, model_path: str) -> list[int]:
     """EOS ids from the tokenizer and generation_config.json."""
     ids = set()
     if tokenizer.eos_token_id is not None:

@@ -33,6 +33,7 @@ from vapo_megatron.trainer.rollout_phase import (
     shape_rewards,
     varied_groups,
 )
+from vapo_megatron.trainer.rollout_store import load_rollouts, save_rollouts
 from vapo_megatron.trainer.scoring import score_flat
 from vapo_megatron.trainer.session import Session
 from vapo_megatron.trainer.updates import train_on
@@ -129,9 +130,12 @@ def _mean_metrics(parts: Sequence[dict[str, float]], prefix: str) -> dict[str, f
     return out
 
 
-def run_step(session: Session, step: int, *, pretrain: bool) -> dict[str, float]:
+def run_step(
+    session: Session, step: int, *, pretrain: bool, pretrain_index: int = 0
+) -> dict[str, float]:
     """One step: VAPO (``pretrain=False``) or critic pretraining (frozen policy, Monte-Carlo
-    returns, critic updates only). Returns the step's metrics (the same on every rank)."""
+    returns, critic updates only; ``pretrain_index`` counts its steps from 1). ``step`` keys
+    the step's seeds. Returns the step's metrics (the same on every rank)."""
     cfg = session.config
     algo, trainer = cfg.algorithm, cfg.trainer
     timer = Timer()
@@ -146,9 +150,15 @@ def run_step(session: Session, step: int, *, pretrain: bool) -> dict[str, float]
     timer.lap("sync")
 
     # 3-4. Rollout and reward (dynamic sampling decides on accuracy, not the shaped score).
-    trajectories, stats = collect_rollouts(
-        session, step, dynamic=algo.dynamic_sampling and not pretrain
-    )
+    offline = cfg.critic_pretrain.offline_rollouts if pretrain else None
+    if offline:  # fit the critic to rollouts saved by an earlier run
+        trajectories, stats = load_rollouts(offline, pretrain_index), RolloutStats()
+    else:
+        trajectories, stats = collect_rollouts(
+            session, step, dynamic=algo.dynamic_sampling and not pretrain
+        )
+    if pretrain and cfg.critic_pretrain.save_rollouts and session.rank == 0:
+        save_rollouts(session.run_dir / "rollouts", pretrain_index, trajectories)
     session.rollout.sleep()
     timer.seconds["rollout"] = stats.generate_seconds
     timer.seconds["reward"] = stats.reward_seconds
