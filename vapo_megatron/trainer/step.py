@@ -160,9 +160,11 @@ def run_step(
     if pretrain and cfg.critic_pretrain.save_rollouts and session.rank == 0:
         save_rollouts(session.run_dir / "rollouts", pretrain_index, trajectories)
     session.rollout.sleep()
+    timer.lap("rollout_other")
+    # Generation and grading happened inside that lap: report them apart, not twice.
+    timer.seconds["rollout_other"] -= stats.generate_seconds + stats.reward_seconds
     timer.seconds["rollout"] = stats.generate_seconds
     timer.seconds["reward"] = stats.reward_seconds
-    timer.lap("rollout_other")
     metrics.update(_rollout_metrics(trajectories, stats, cfg.rollout.max_new_tokens))
     if not trajectories:
         logger.warning("step %d: no trajectories to train on (all groups filtered)", step)
