@@ -1,0 +1,179 @@
+"""Propose layouts and estimate per-GPU memory of a colocated VAPO job; validate a recipe.
+
+    python tools/plan.py --model qwen2.5-32b --gpu h100-80gb --nodes 16 --gpus-per-node 8 \\
+        --prompt-len 2048 --response-len 20480 [--recipe FILE [--set key=value ...]]
+
+With ``--recipe`` the recipe is loaded and checked against the world size by the trainer's own
+loader and checks (``load_recipe``, ``TrainConfig.check``, ``check_layout_pair``,
+``ModelLayout.check``): exit 2 with the trainer's message when it would refuse to start. Its
+layout is then planned as written, and, when it does not fit, the recipe values to change are
+listed. Without a recipe a layout is searched for. The memory model is
+``vapo_megatron/parallel/memory_plan.py``. The last line printed is JSON:
+``{"fits": ..., "layout": {...}, "peak_gib": ..., ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vapo_megatron.models.config import HFModelConfig  # noqa: E402
+from vapo_megatron.models.provider import ModelLayout  # noqa: E402
+from vapo_megatron.parallel import memory_plan as mp  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help=f"preset {sorted(mp.MODEL_PRESETS)} or an HF config.json "
+                        "(or its directory); default: the recipe's model.path")  # fmt: skip
+    parser.add_argument("--gpu", default="h100-80gb", choices=sorted(mp.GPUS))
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, help="default: recipe data.max_prompt_tokens")
+    parser.add_argument("--response-len", type=int, help="default: recipe rollout.max_new_tokens")
+    parser.add_argument("--micro-batch-tokens", type=int,
+                        help="default: recipe trainer.micro_batch_tokens, else 16384")  # fmt: skip
+    parser.add_argument("--recipe", help="a YAML recipe to validate and plan")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="recipe override, as vapo-train takes them (repeatable)")  # fmt: skip
+    parser.add_argument("--recompute", choices=["none", "full"], default="none")
+    parser.add_argument("--no-critic", action="store_true", help="GRPO/DAPO (without --recipe)")
+    parser.add_argument(
+        "--reserve-gib",
+        type=float,
+        default=4.0,
+        help="per-GPU memory no tensor count sees (CUDA, NCCL, fragmentation)",
+    )
+    parser.add_argument(
+        "--min-concurrent",
+        type=float,
+        default=4.0,
+        help="full-length sequences a vLLM replica must hold (search only)",
+    )
+    return parser.parse_args(argv)
+
+
+def read_model(spec: str | None, recipe_model_path: str | None) -> tuple[str, HFModelConfig]:
+    if spec is None and recipe_model_path is None:
+        raise ValueError("give --model (a preset or config.json) or --recipe")
+    spec = spec if spec is not None else recipe_model_path
+    if spec in mp.MODEL_PRESETS:
+        return spec, HFModelConfig.from_hf(mp.MODEL_PRESETS[spec])
+    path = Path(spec)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(
+            f"model {spec!r} is neither a preset ({', '.join(sorted(mp.MODEL_PRESETS))}) nor an "
+            "HF config.json; pass --model PRESET when the checkpoint is not on this machine"
+        )
+    return str(path), HFModelConfig.from_hf(json.loads(path.read_text()))
+
+
+def check_recipe(config, hf: HFModelConfig, world_size: int) -> None:
+    """The trainer's own refusals, in the order the trainer meets them."""
+    from vapo_megatron.models.provider import check_layout_pair
+
+    config.check(world_size)
+    check_layout_pair(config.policy.layout, config.critic.layout, world_size)
+    config.policy.layout.check(hf)
+    if config.algorithm.uses_critic:
+        config.critic.layout.check(hf)
+    for problem in mp.rollout_tp_problems(hf, config.rollout.tensor_parallel_size, world_size):
+        raise ValueError(f"rollout.tensor_parallel_size: {problem}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    world = args.nodes * args.gpus_per_node
+    gpu = mp.GPUS[args.gpu]
+    config = None
+    try:
+        if args.recipe:
+            from vapo_megatron.trainer.recipe import load_recipe
+
+            config = load_recipe(args.recipe, args.set)
+        name, hf = read_model(args.model, config.model.path if config else None)
+        if config is not None:
+            check_recipe(config, hf, world)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        print(json.dumps({"fits": False, "valid": False, "error": str(err)}))
+        return 2
+    work = mp.Workload(
+        world_size=world,
+        prompt_len=args.prompt_len or (config.data.max_prompt_tokens if config else 2048),
+        response_len=args.response_len or (config.rollout.max_new_tokens if config else 8192),
+        micro_batch_tokens=args.micro_batch_tokens
+        or (config.trainer.micro_batch_tokens if config else 16384),
+        bf16=config.model.dtype == "bfloat16" if config else True,
+        distributed_optimizer=config.policy.optim.distributed_optimizer if config else True,
+        recompute=args.recompute,
+        uses_critic=config.algorithm.uses_critic if config else not args.no_critic,
+        rollout_tp=config.rollout.tensor_parallel_size if config else 1,
+        gpu_memory_utilization=config.rollout.gpu_memory_utilization if config else 0.5,
+        reserve_bytes=int(args.reserve_gib * mp.GIB),
+    )
+    print(f"model {name}: {mp.total_param_count(hf, head='lm') / 1e9:.2f}e9 parameters; "
+          f"{args.nodes} node(s) x {args.gpus_per_node} {gpu.name} = {world} GPUs; "
+          f"sequences {work.prompt_len} + {work.response_len} tokens, micro-batch "
+          f"{work.micro_batch_tokens} tokens")  # fmt: skip
+    summary: dict[str, object] = {}
+    proposal = None
+    if config is not None:
+        critic = config.critic.layout if work.uses_critic else None
+        as_written = mp.plan(hf, gpu, config.policy.layout, critic, work)
+        print(mp.format_plan(as_written, f"recipe {args.recipe} as written"))
+        summary.update(recipe_fits=as_written.fits, recipe_changes={})
+        proposal = as_written
+        if not as_written.fits:
+            util = mp.max_vllm_utilization(hf, gpu, config.policy.layout, critic, work)
+            adjusted = mp.plan(hf, gpu, config.policy.layout, critic,
+                               replace(work, gpu_memory_utilization=util))  # fmt: skip
+            proposal = adjusted if adjusted.fits else None
+            if adjusted.fits:
+                summary["recipe_changes"] = {"rollout.gpu_memory_utilization": util}
+    if proposal is None:
+        proposal = mp.propose(hf, gpu, work, gpus_per_node=args.gpus_per_node,
+                              min_concurrent=args.min_concurrent)  # fmt: skip
+        if proposal is not None and config is not None:
+            summary["recipe_changes"] = recipe_changes(proposal)
+    if proposal is None:  # show why the smallest split fails
+        first = ModelLayout(tp=min(args.gpus_per_node, hf.num_key_value_heads))
+        first = replace(first, sequence_parallel=first.tp > 1)
+        proposal = mp.plan(hf, gpu, first, first if work.uses_critic else None, work)
+        print(f"no layout of {world} GPUs fits; the largest tensor-parallel split inside a node:")
+    print(mp.format_plan(proposal, "proposed"))
+    for offload in ("optimizer", "rollout"):  # what each offload option would buy
+        alt = replace(proposal.workload, offload=offload)
+        util = mp.max_vllm_utilization(hf, gpu, proposal.policy, proposal.critic, alt)
+        alt = mp.plan(hf, gpu, proposal.policy, proposal.critic,
+                      replace(alt, gpu_memory_utilization=util))  # fmt: skip
+        if alt.phases:
+            train_peak = max(v for k, v in alt.phases.items() if k.endswith("_update"))
+            print(f"offload={offload} ({mp.OFFLOADS[offload]}): update peak "
+                  f"{train_peak / mp.GIB:.1f} GiB, vLLM could take gpu_memory_utilization "
+                  f"{util:.2f} ({alt.concurrent_sequences:.1f} sequences per replica)")  # fmt: skip
+    print(json.dumps({**mp.plan_summary(proposal), **summary}))
+    return 0
+
+
+def recipe_changes(result: mp.Plan) -> dict[str, object]:
+    """Recipe keys (dotted, as overrides) that give the proposed layout."""
+    changes: dict[str, object] = {}
+    for name, layout in (("policy", result.policy), ("critic", result.critic)):
+        if layout is None:
+            continue
+        for key in ("tp", "pp", "cp", "vpp", "sequence_parallel"):
+            changes[f"{name}.layout.{key}"] = getattr(layout, key)
+    changes["rollout.tensor_parallel_size"] = result.workload.rollout_tp
+    changes["rollout.gpu_memory_utilization"] = result.workload.gpu_memory_utilization
+    return changes
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,457 @@
+"""Per-GPU memory of a colocated VAPO job (policy + critic + vLLM on every GPU), by phase.
+
+The model behind ``tools/plan.py``. Parameter counts are exact: :func:`shard_param_count`
+gives the parameters one rank of a megatron-core ``GPTModel`` holds at a TP/PP layout (checked
+against real CPU builds in ``tests/unit/test_memory_plan.py``). Everything else is an estimate
+from counted tensors, written down here so it can be checked and corrected:
+
+- Training state per model (bf16): bf16 params 2 B, fp32 grads 4 B (``grad_reduce_in_fp32``,
+  as ``ModelEngine`` sets it), Adam 12 B (fp32 main copy + two moments), divided by the DP x CP
+  ranks under the distributed optimizer. fp32 training: 4 + 4 + 8 B, nothing divided.
+- Activations saved for backward, per token and layer, bf16 (flash/fused attention, no s^2
+  term): norm and projection inputs 4h, q + k + v + attention output, fc1 output 2f (SwiGLU
+  keeps both halves), fc2 input f; all divided by TP under sequence parallelism (without it,
+  the 4h part is not). K/V received from the CP ring add (cp - 1) x k + v. Tokens per GPU:
+  ``max(micro_batch_tokens, longest sample) / cp`` (a longer sample gets its own micro-batch).
+  1F1B keeps pp micro-batches in flight on the first stage, so a stage holds all L layers'
+  worth; the interleaved schedule adds (pp - 1) / (pp * vpp). Full recompute keeps only each
+  layer's input. One more layer's worth is live during its backward. The policy's last stage
+  adds logits over its vocab shard: bf16 output, fp32 copy and fp32 gradient (10 B).
+- vLLM when awake takes ``gpu_memory_utilization`` of the device (it sizes its KV cache to
+  fill that share); asleep (level 1) it holds nothing on the device. Its weight shard is the
+  bf16 model over vLLM TP; the KV cache is what remains after a fixed ``VLLM_OVERHEAD``.
+- A fixed ``reserve`` per GPU (CUDA context, NCCL buffers of every communicator, allocator
+  fragmentation) that no tensor count sees.
+
+The offload options are what the trainer does *not* do today; the planner reports what each
+would buy so that a layout which needs one says so instead of silently failing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from vapo_megatron.models.config import Head, HFModelConfig
+from vapo_megatron.models.provider import ModelLayout
+
+GIB = 1 << 30
+VLLM_OVERHEAD = int(1.5 * GIB)
+"""vLLM's non-KV memory besides weights on one GPU: activations of its profile run, sampler,
+CUDA graphs (an estimate; vLLM measures it at start)."""
+SYNC_BUCKET = 256 << 20
+"""rollout.weight_bucket_bytes default: extra memory of one weight-sync message."""
+
+Offload = Literal["none", "optimizer", "rollout"]
+OFFLOADS: dict[str, str] = {
+    "none": "everything resident (what the trainer does today)",
+    "optimizer": "Adam state on the host, step on the CPU (megatron-core optimizer_cpu_offload; "
+    "not wired into the trainer yet)",
+    "rollout": "grads and Adam state moved to the host while vLLM is awake (not in the trainer "
+    "yet)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    """One accelerator type."""
+
+    name: str
+    """Preset name."""
+    memory_bytes: int
+    """Device memory as the driver reports it (nvidia-smi's total)."""
+
+
+GPUS = {
+    "h100-80gb": GPUSpec(name="h100-80gb", memory_bytes=81559 << 20),
+    "h200-141gb": GPUSpec(name="h200-141gb", memory_bytes=143771 << 20),
+}
+
+
+def _qwen2(**kw: object) -> dict[str, object]:
+    base = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064,
+            "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # fmt: skip
+    return {**base, **kw}
+
+
+MODEL_PRESETS: dict[str, dict[str, object]] = {
+    "qwen2.5-7b": _qwen2(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                         num_attention_heads=28, num_key_value_heads=4),
+    "qwen2.5-32b": _qwen2(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                          num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5),
+    "qwen2.5-72b": _qwen2(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5),
+    "llama-3.1-70b": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "rope_scaling": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    },
+}  # fmt: skip
+"""HF config.json values of the published checkpoints (only what the Megatron model reads)."""
+
+
+def shard_param_count(hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int) -> int:
+    """Parameters one rank at ``pp_rank`` holds (every TP rank of a stage holds the same count,
+    norms replicated); equals ``sum(p.numel())`` over its megatron-core ``GPTModel`` chunks."""
+    tp, pp = layout.tp, layout.pp
+    h, hd = hf.hidden_size, hf.head_dim
+    qkv_out = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * hd
+    per_layer = (
+        2 * h  # input and pre-MLP RMSNorm weights
+        + qkv_out // tp * (h + int(hf.qkv_bias))  # fused QKV, column-parallel
+        + h * (hf.num_attention_heads * hd // tp)  # output projection, row-parallel
+        + 2 * hf.intermediate_size // tp * h  # fused gate/up, column-parallel
+        + h * (hf.intermediate_size // tp)  # down projection, row-parallel
+    )
+    count = per_layer * hf.num_layers // pp
+    vocab_shard = hf.padded_vocab_size(tp) // tp * h
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if first:
+        count += vocab_shard
+    if last:
+        count += h  # final norm
+        if head == "value":
+            count += h  # ValueHead: Linear(h, 1), replicated
+        elif not (hf.tie_word_embeddings and first):
+            # Tied under PP: the last stage keeps its own copy, all-reduced with the first's.
+            count += vocab_shard
+    return count
+
+
+def total_param_count(hf: HFModelConfig, *, head: Head) -> int:
+    """Parameters of the whole model (TP 1, PP 1, without Megatron's vocabulary padding)."""
+    padded = shard_param_count(hf, ModelLayout(), head=head, pp_rank=0)
+    padding_rows = hf.padded_vocab_size(1) - hf.vocab_size
+    untied_lm = head == "lm" and not hf.tie_word_embeddings
+    return padded - padding_rows * hf.hidden_size * (2 if untied_lm else 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one step asks of every GPU (from a recipe or the planner's flags)."""
+
+    world_size: int
+    """Ranks (GPUs) of the job."""
+    prompt_len: int
+    """Longest prompt (data.max_prompt_tokens)."""
+    response_len: int
+    """Longest response (rollout.max_new_tokens)."""
+    micro_batch_tokens: int
+    """Token budget of one packed micro-batch per DP replica (trainer.micro_batch_tokens)."""
+    bf16: bool = True
+    """bf16 training parameters with fp32 grads and Adam (else all fp32)."""
+    distributed_optimizer: bool = True
+    """Shard Adam state over the DP x CP ranks."""
+    recompute: Literal["none", "full"] = "none"
+    """Activation recompute (the trainer has none today: 'full' is for planning)."""
+    uses_critic: bool = True
+    """A critic trains next to the policy (GRPO/DAPO: no)."""
+    rollout_tp: int = 1
+    """vLLM tensor parallelism per engine replica."""
+    gpu_memory_utilization: float = 0.5
+    """Share of device memory vLLM takes when awake."""
+    offload: Offload = "none"
+    """What leaves the device, and when (OFFLOADS)."""
+    reserve_bytes: int = 4 * GIB
+    """Per-GPU memory no tensor count sees (CUDA context, NCCL, fragmentation)."""
+
+    @property
+    def sequence_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelMemory:
+    """One model's per-GPU bytes on its largest pipeline stage."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    """Saved for backward in its update, plus the live layer and (policy) the logits."""
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Memory of one layout by phase, and whether it fits."""
+
+    gpu: GPUSpec
+    policy: ModelLayout
+    critic: ModelLayout | None
+    workload: Workload
+    policy_memory: ModelMemory
+    critic_memory: ModelMemory | None
+    phases: dict[str, int]
+    """Per-GPU peak bytes of each phase: rollout, weight_sync, policy_update, critic_update."""
+    vllm_weights: int
+    """bf16 weight shard of one vLLM rank."""
+    kv_cache: int
+    """KV cache bytes of one vLLM rank when awake."""
+    kv_bytes_per_token: int
+    """KV bytes per token on one vLLM rank."""
+    problems: list[str]
+    """Why it does not divide or fit; empty when it fits."""
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def concurrent_sequences(self) -> float:
+        """Full-length sequences one vLLM replica's KV cache holds at once."""
+        return self.kv_cache / (self.kv_bytes_per_token * self.workload.sequence_len)
+
+
+def layout_problems(hf: HFModelConfig, layout: ModelLayout, world_size: int) -> list[str]:
+    """Why ``layout`` cannot run ``hf`` on ``world_size`` ranks (the trainer's own checks)."""
+    from vapo_megatron.parallel.model_groups import layout_sizes
+
+    problems = []
+    for check in (lambda: layout.check(hf), lambda: layout_sizes(
+            tp=layout.tp, pp=layout.pp, cp=layout.cp, world_size=world_size)):  # fmt: skip
+        try:
+            check()
+        except ValueError as err:
+            problems.append(str(err))
+    return problems
+
+
+def rollout_tp_problems(hf: HFModelConfig, rollout_tp: int, world_size: int) -> list[str]:
+    """vLLM shards query heads over TP and replicates KV heads when TP exceeds them."""
+    kv = hf.num_key_value_heads
+    if world_size % rollout_tp:
+        return [f"vLLM TP {rollout_tp} does not divide the world size {world_size}"]
+    if hf.num_attention_heads % rollout_tp or (kv % rollout_tp and rollout_tp % kv):
+        return [
+            f"vLLM TP {rollout_tp} must divide num_attention_heads={hf.num_attention_heads}, "
+            f"and num_key_value_heads={kv} must be a multiple or a divisor of it"
+        ]
+    return []
+
+
+def model_memory(
+    hf: HFModelConfig, layout: ModelLayout, work: Workload, *, head: Head
+) -> ModelMemory:
+    """Per-GPU bytes of one model on its largest stage (see the module doc for each term)."""
+    params = max(shard_param_count(hf, layout, head=head, pp_rank=r) for r in range(layout.pp))
+    param_bytes = 2 if work.bf16 else 4
+    adam_bytes = 12 if work.bf16 else 8
+    shards = work.world_size // (layout.tp * layout.pp) if work.distributed_optimizer else 1
+    return ModelMemory(
+        params=params * param_bytes,
+        grads=params * 4,
+        optimizer=math.ceil(params * adam_bytes / shards),
+        activations=activation_bytes(hf, layout, work, head=head),
+    )
+
+
+def activation_bytes(hf: HFModelConfig, layout: ModelLayout, work: Workload, *, head: Head) -> int:
+    """Bytes saved for backward on the first stage during one model's update (module doc)."""
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    h, f = hf.hidden_size, hf.intermediate_size
+    q = hf.num_attention_heads * hf.head_dim
+    kv = hf.num_key_value_heads * hf.head_dim
+    tokens = math.ceil(max(work.micro_batch_tokens, work.sequence_len) / cp)
+    sharded = q + 2 * kv * cp + q + 3 * f  # q, k, v (+ CP ring copies), attn out, fc1 out, fc2 in
+    replicated = 4 * h  # norm inputs and projection inputs
+    if layout.sequence_parallel:
+        per_token_layer = 2 * (sharded + replicated) / tp
+    else:
+        per_token_layer = 2 * (sharded / tp + replicated)
+    layer = per_token_layer * tokens
+    in_flight = 1.0 if pp == 1 else 1.0 + ((pp - 1) / (pp * layout.vpp) if layout.vpp else 0.0)
+    if work.recompute == "full":
+        stored = hf.num_layers * tokens * 2 * h / (tp if layout.sequence_parallel else 1)
+    else:
+        stored = hf.num_layers * layer
+    total = stored * in_flight + layer  # plus the layer whose backward is running
+    if head == "lm":
+        total += tokens * hf.padded_vocab_size(tp) // tp * 10
+    return math.ceil(total)
+
+
+def plan(
+    hf: HFModelConfig,
+    gpu: GPUSpec,
+    policy: ModelLayout,
+    critic: ModelLayout | None,
+    work: Workload,
+) -> Plan:
+    """Per-phase per-GPU memory of this layout pair; ``problems`` says what does not fit."""
+    problems = [f"policy: {p}" for p in layout_problems(hf, policy, work.world_size)]
+    if critic is not None:
+        problems += [f"critic: {p}" for p in layout_problems(hf, critic, work.world_size)]
+    problems += rollout_tp_problems(hf, work.rollout_tp, work.world_size)
+    if problems:  # the memory of a layout that cannot be built means nothing
+        empty = ModelMemory(params=0, grads=0, optimizer=0, activations=0)
+        return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, policy_memory=empty,
+                    critic_memory=None, phases={}, vllm_weights=0, kv_cache=0,
+                    kv_bytes_per_token=1, problems=problems)  # fmt: skip
+    pol = model_memory(hf, policy, work, head="lm")
+    cri = model_memory(hf, critic, work, head="value") if critic is not None else None
+    models = [m for m in (pol, cri) if m is not None]
+    resident = sum(m.state for m in models)
+    if work.offload == "optimizer":
+        resident -= sum(m.optimizer for m in models)
+    during_rollout = resident
+    if work.offload == "rollout":
+        during_rollout = sum(m.params for m in models)
+    vllm_budget = int(work.gpu_memory_utilization * gpu.memory_bytes)
+    vllm_weights = total_param_count(hf, head="lm") * 2 // work.rollout_tp
+    kv_heads_per_rank = max(hf.num_key_value_heads // work.rollout_tp, 1)
+    kv_per_token = 2 * hf.num_layers * kv_heads_per_rank * hf.head_dim * 2
+    kv_cache = vllm_budget - vllm_weights - VLLM_OVERHEAD
+    largest_tensor = hf.padded_vocab_size(1) * hf.hidden_size * 2  # gathered embedding, bf16
+    phases = {
+        "rollout": during_rollout + vllm_budget,
+        "weight_sync": during_rollout + vllm_weights + SYNC_BUCKET + largest_tensor,
+        "policy_update": resident + pol.activations,
+    }
+    if cri is not None:
+        phases["critic_update"] = resident + cri.activations
+    phases = {name: b + work.reserve_bytes for name, b in phases.items()}
+    for name, need in phases.items():
+        if need > gpu.memory_bytes:
+            problems.append(
+                f"{name} needs {need / GIB:.1f} GiB per GPU, more than the "
+                f"{gpu.memory_bytes / GIB:.1f} GiB of a {gpu.name}"
+            )
+    if kv_cache < kv_per_token * work.sequence_len:
+        problems.append(
+            f"vLLM at TP {work.rollout_tp} with gpu_memory_utilization="
+            f"{work.gpu_memory_utilization:.2f} has {max(kv_cache, 0) / GIB:.1f} GiB of KV cache "
+            f"per GPU, less than one {work.sequence_len}-token sequence "
+            f"({kv_per_token * work.sequence_len / GIB:.2f} GiB); raise the utilization or vLLM TP"
+        )
+    return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, policy_memory=pol,
+                critic_memory=cri, phases=phases, vllm_weights=vllm_weights,
+                kv_cache=max(kv_cache, 0), kv_bytes_per_token=kv_per_token,
+                problems=problems)  # fmt: skip
+
+
+def max_vllm_utilization(
+    hf: HFModelConfig, gpu: GPUSpec, policy: ModelLayout, critic: ModelLayout | None, work: Workload
+) -> float:
+    """The largest gpu_memory_utilization (two decimals, at most 0.9) whose rollout phase fits
+    beside the training state; 0 when none does."""
+    probe = plan(hf, gpu, policy, critic, replace(work, gpu_memory_utilization=0.0))
+    if not probe.phases:
+        return 0.0
+    free = gpu.memory_bytes - probe.phases["rollout"]
+    return max(0.0, min(0.9, math.floor(100 * free / gpu.memory_bytes) / 100))
+
+
+def candidate_layouts(
+    hf: HFModelConfig, world_size: int, gpus_per_node: int
+) -> Iterator[ModelLayout]:
+    """Layouts to try, best first: fewest model-parallel ranks (most DP, least communication),
+    then TP inside a node before CP, CP before PP (no pipeline bubbles with variable-length RL
+    batches); TP never crosses a node."""
+    powers = [2**i for i in range(8)]
+    options = []
+    for tp in (t for t in powers if t <= gpus_per_node):
+        for cp in powers[:5]:
+            for pp in (p for p in powers[:5] if hf.num_layers % p == 0):
+                layout = ModelLayout(tp=tp, pp=pp, cp=cp, sequence_parallel=tp > 1)
+                if not layout_problems(hf, layout, world_size):
+                    options.append(layout)
+    yield from sorted(options, key=lambda lay: (lay.tp * lay.pp * lay.cp, -lay.tp, lay.pp, lay.cp))
+
+
+def propose(
+    hf: HFModelConfig,
+    gpu: GPUSpec,
+    work: Workload,
+    *,
+    gpus_per_node: int,
+    min_concurrent: float = 4.0,
+) -> Plan | None:
+    """The first candidate layout (same for policy and critic) that fits, with the smallest
+    vLLM TP whose replica holds ``min_concurrent`` full-length sequences at the largest
+    gpu_memory_utilization that fits; None when nothing fits."""
+    for layout in candidate_layouts(hf, work.world_size, gpus_per_node):
+        critic = layout if work.uses_critic else None
+        util = max_vllm_utilization(hf, gpu, layout, critic, work)
+        for rollout_tp in (t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node):
+            trial = replace(work, rollout_tp=rollout_tp, gpu_memory_utilization=util)
+            result = plan(hf, gpu, layout, critic, trial)
+            if result.fits and result.concurrent_sequences >= min_concurrent:
+                return result
+    return None
+
+
+def layout_summary(layout: ModelLayout, world_size: int) -> dict[str, object]:
+    """{"tp", "pp", "cp", "dp", "vpp", "sequence_parallel"} of one model."""
+    dp = world_size // (layout.tp * layout.pp * layout.cp)
+    return {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "dp": dp, "vpp": layout.vpp,
+            "sequence_parallel": layout.sequence_parallel}  # fmt: skip
+
+
+def plan_summary(result: Plan) -> dict[str, object]:
+    """The JSON the planner prints last: fits, layout, peak_gib, and the problems."""
+    work = result.workload
+    layout: dict[str, object] = {"policy": layout_summary(result.policy, work.world_size)}
+    if result.critic is not None:
+        layout["critic"] = layout_summary(result.critic, work.world_size)
+    layout.update(rollout_tp=work.rollout_tp, gpu_memory_utilization=work.gpu_memory_utilization,
+                  offload=work.offload, recompute=work.recompute)  # fmt: skip
+    return {"fits": result.fits, "layout": layout,
+            "peak_gib": round(result.peak / GIB, 2) if result.phases else None,
+            "problems": result.problems}  # fmt: skip
+
+
+def format_plan(result: Plan, title: str) -> str:
+    """A readable table of one plan: layouts, per-GPU memory by kind and by phase, vLLM."""
+    work, gib = result.workload, lambda b: f"{b / GIB:7.2f} GiB"
+    lines = [f"== {title}: {'fits' if result.fits else 'DOES NOT FIT'} =="]
+
+    def fmt(layout: ModelLayout) -> str:
+        ranks = layout.tp * layout.pp * layout.cp
+        dp = work.world_size // ranks if work.world_size % ranks == 0 else "-"
+        vpp = f" vpp{layout.vpp}" if layout.vpp else ""
+        sp = " sp" if layout.sequence_parallel else ""
+        return f"tp{layout.tp} pp{layout.pp}{vpp} cp{layout.cp} dp{dp}{sp}"
+
+    models = [("policy", result.policy, result.policy_memory)]
+    if result.critic is not None:
+        models.append(("critic", result.critic, result.critic_memory))
+    lines.append(f"{'':30}" + "".join(f"{name:>26}" for name, _, _ in models))
+    lines.append(f"{'layout':30}" + "".join(f"{fmt(lay):>26}" for _, lay, _ in models))
+    if result.phases:
+        shards = "DP x CP" if work.distributed_optimizer else "not sharded"
+        rows = [("params (bf16)" if work.bf16 else "params (fp32)", "params"),
+                ("grads (fp32)", "grads"), (f"Adam state ({shards})", "optimizer"),
+                (f"activations ({work.recompute} recompute)", "activations")]  # fmt: skip
+        for label, attr in rows:
+            cells = "".join(f"{gib(getattr(mem, attr)):>26}" for _, _, mem in models)
+            lines.append(f"{label:30}{cells}")
+        replicas = work.world_size // work.rollout_tp
+        lines.append(
+            f"vLLM TP {work.rollout_tp} ({replicas} replicas), gpu_memory_utilization "
+            f"{work.gpu_memory_utilization:.2f}: weights {gib(result.vllm_weights).strip()}, "
+            f"KV cache {gib(result.kv_cache).strip()} per GPU = "
+            f"{result.concurrent_sequences:.1f} full {work.sequence_len}-token sequences per "
+            "replica"
+        )
+        lines.append(f"offload: {work.offload} ({OFFLOADS[work.offload]}); "
+                     f"reserve {gib(work.reserve_bytes).strip()} per GPU")  # fmt: skip
+        lines.append(f"per-GPU peak by phase (of {gib(result.gpu.memory_bytes).strip()}):")
+        for name, need in result.phases.items():
+            lines.append(f"  {name:22}{gib(need)}")
+    lines += [f"  problem: {p}" for p in result.problems]
+    return "\n".join(lines)
