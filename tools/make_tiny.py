@@ -16,11 +16,6 @@ import json
 import time
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from vapo_megatron.data.synthetic import make_splits, read_rows
-from vapo_megatron.data.tiny_model import WARMUP_TEMPLATES, pass_rate, write_tiny_model
-
 STAMP_VERSION = 1
 """Bump when the task, tokenizer or model changes, so old outputs are rebuilt."""
 
@@ -32,19 +27,26 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-eval", type=int, default=200)
-    parser.add_argument("--template", choices=WARMUP_TEMPLATES, default="dapo")
-    parser.add_argument("--eval-prompts", type=int, default=64, help="prompts for the pass rate")
+    parser.add_argument("--template", choices=("dapo", "raw"), default="dapo")
+    parser.add_argument("--eval-prompts", type=int, default=200, help="prompts for the pass rate")
     args = parser.parse_args()
 
     params = {"version": STAMP_VERSION, **{k: v for k, v in vars(args).items() if k != "out_dir"}}
     out_dir: Path = args.out_dir
     stamp_path = out_dir / "stamp.json"
     model_dir = out_dir / "model"
-    if stamp_path.exists() and (model_dir / "config.json").exists():
+    outputs = (model_dir / "config.json", out_dir / "train.jsonl", out_dir / "eval.jsonl")
+    if stamp_path.exists() and all(path.exists() for path in outputs):
         stamp = json.loads(stamp_path.read_text())
         if stamp["params"] == params:
             print(json.dumps({**stamp["result"], "reused": True}))
             return
+    # Imported past the stamp check: torch and transformers take seconds to import, and
+    # `make demo` calls this on every run.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vapo_megatron.data.synthetic import make_splits, read_rows
+    from vapo_megatron.data.tiny_model import pass_rate, write_tiny_model
 
     start = time.perf_counter()
     train_path, eval_path = make_splits(out_dir, args.n_train, args.n_eval, args.seed)

@@ -22,7 +22,7 @@ from vapo_megatron.data.synthetic import (
     read_rows,
 )
 from vapo_megatron.data.templates import dapo_instruction
-from vapo_megatron.data.tiny_model import train_tokenizer, write_tiny_model
+from vapo_megatron.data.tiny_model import pass_rate, train_tokenizer, write_tiny_model
 from vapo_megatron.rewards.dapo_math import grade
 
 pytestmark = pytest.mark.unit
@@ -114,6 +114,12 @@ def test_tokenizer_round_trips_and_is_deterministic():
         assert tokenizer.decode(ids) == text
     eos = tokenizer.eos_token_id
     assert tokenizer.decode([eos]) == "<|endoftext|>" and tokenizer.pad_token_id != eos
+    # DAPO's instruction is one token each side of the problem.
+    problem = held_out[0][0]
+    assert (
+        len(tokenizer(dapo_instruction(problem))["input_ids"])
+        == len(tokenizer(problem)["input_ids"]) + 2
+    )
     # Numbers and words are merged: far fewer tokens than characters.
     solution = held_out[0][2]
     assert len(tokenizer(solution)["input_ids"]) < 0.75 * len(solution)
@@ -153,3 +159,32 @@ def test_weights_depend_only_on_the_seed_warm_up_included(tmp_path):
     assert all(torch.equal(warm[k], warm_again[k]) for k in warm)
     assert not torch.equal(warm["model.embed_tokens.weight"], init["model.embed_tokens.weight"])
     assert not torch.equal(other["lm_head.weight"], init["lm_head.weight"])
+
+
+class AnswersEveryOtherRow:
+    """Stands in for a model: appends "Answer: <truth>" (even rows) or "Answer: x" (odd rows)."""
+
+    def __init__(self, tokenizer, rows):
+        self.tokenizer, self.rows, self.calls = tokenizer, rows, 0
+
+    def eval(self):
+        return self
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **_):
+        responses = []
+        for _ in range(input_ids.shape[0]):
+            row = self.rows[self.calls]
+            text = f"1+1=2\nAnswer: {row['answer'] if self.calls % 2 == 0 else 'x'}"
+            responses.append(self.tokenizer(text)["input_ids"] + [eos_token_id])
+            self.calls += 1
+        width = max(map(len, responses))
+        padded = [r + [pad_token_id] * (width - len(r)) for r in responses]
+        return torch.cat([input_ids, torch.tensor(padded)], dim=1)
+
+
+def test_pass_rate_grades_only_the_responses():
+    rows = make_rows(10, seed=0)
+    tokenizer = train_tokenizer([r["prompt"] for r in rows])
+    model = AnswersEveryOtherRow(tokenizer, rows)
+    assert pass_rate(model, tokenizer, rows, temperature=1.0, batch_size=4) == 0.5
+    assert model.calls == 10

@@ -148,12 +148,12 @@ def warm_up(
 ) -> dict[str, float]:
     """Supervised warm-up on (prompt, worked solution + eos); returns the last loss and seconds.
 
-    AdamW with a short linear ramp and cosine decay; batches are taken in a seeded permutation
-    of the rows, one epoch after another. Runs on one thread for bit-identical weights.
+    AdamW with a short linear ramp and cosine decay; batches of similar lengths are drawn in a
+    seeded order, one epoch after another. Runs on one thread for bit-identical weights.
     """
     examples = [_sft_example(row, tokenizer, template) for row in rows]
     order_rng = random.Random(seed)
-    order: list[int] = []
+    batches: list[list[int]] = []
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     ramp = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -168,12 +168,9 @@ def warm_up(
     loss = torch.zeros(())
     try:
         for _ in range(steps):
-            if len(order) < batch_size:
-                epoch = list(range(len(examples)))
-                order_rng.shuffle(epoch)
-                order.extend(epoch)
-            batch = [examples[i] for i in order[:batch_size]]
-            del order[:batch_size]
+            if not batches:
+                batches = _length_bucketed_batches(examples, batch_size, order_rng)
+            batch = [examples[i] for i in batches.pop()]
             input_ids, labels, attention_mask = _collate(batch, tokenizer.pad_token_id)
             loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
             optimizer.zero_grad(set_to_none=True)
@@ -261,6 +258,25 @@ def _sft_example(
     solution = solve(row["prompt"])[1]
     response = tokenizer(solution, add_special_tokens=False)["input_ids"]
     return _prompt_ids(row, tokenizer, template), [*response, tokenizer.eos_token_id]
+
+
+def _length_bucketed_batches(
+    examples: Sequence[tuple[list[int], list[int]]], batch_size: int, rng: random.Random
+) -> list[list[int]]:
+    """One epoch of batches (example indices), in an order drawn from ``rng``.
+
+    Batches are cut from runs of 8 batches' worth of shuffled examples sorted by length, which
+    cuts the padding (solutions run from ~6 to ~60 tokens) by about half.
+    """
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    run = 8 * batch_size
+    batches = []
+    for begin in range(0, len(order), run):
+        chunk = sorted(order[begin : begin + run], key=lambda i: sum(map(len, examples[i])))
+        batches.extend(chunk[b : b + batch_size] for b in range(0, len(chunk), batch_size))
+    rng.shuffle(batches)
+    return batches
 
 
 def _collate(
