@@ -1,5 +1,6 @@
-"""Megatron policy (TP2, PP2) -> weight stream -> vLLM (TP1 per rank, or TP2), against
-transformers: greedy parity, log-prob agreement, a trained step visible, A -> B -> A exact."""
+"""Megatron policy (TP2, PP2) -> weight stream -> vLLM engines inside a 2-rank job (vLLM TP1: a
+replica per rank; TP2: one replica over both ranks), against transformers: greedy parity,
+log-prob agreement, a trained step visible, A -> B -> A exact, the sleep/wake order."""
 
 import tempfile
 from pathlib import Path
@@ -13,16 +14,23 @@ pytestmark = pytest.mark.integration
 WORKER = Path(__file__).parent / "workers" / "sync_worker.py"
 
 
+def check_sync_outputs(outputs: list[str]) -> None:
+    for rank, output in enumerate(outputs):
+        for layout in ("TP2", "PP2"):
+            assert f"rank {rank}: {layout}: greedy equals transformers; logprob gap" in output
+            assert (
+                f"rank {rank}: {layout}: the trained step is visible in vLLM's next generation"
+                in output
+            )
+            assert (
+                f"rank {rank}: {layout}: A -> B -> A returns exactly A's tokens and log-probs"
+                in output
+            )
+        assert f"rank {rank}: sleep/wake order enforced" in output
+
+
 @pytest.mark.parametrize("engine_tp", [1, 2])
 def test_megatron_to_vllm(engine_tp):
     with tempfile.TemporaryDirectory() as hf_dir:
         outputs = run_workers(WORKER, 2, hf_dir, str(engine_tp), timeout=400)
-    for layout in ("TP2", "PP2"):
-        line = f"rank 0: {layout}: greedy equals transformers; logprob gap"
-        assert line in outputs[0]
-        assert (
-            f"rank 0: {layout}: the trained step is visible in vLLM's next generation" in outputs[0]
-        )
-        assert (
-            f"rank 0: {layout}: A -> B -> A returns exactly A's tokens and log-probs" in outputs[0]
-        )
+    check_sync_outputs(outputs)

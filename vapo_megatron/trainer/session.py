@@ -2,8 +2,8 @@
 
 ``Session.open(config)`` runs on every rank, in the same order (the groups and the models are
 collective to build). The policy and the critic get their own process groups over the whole
-world, so each takes its own layout; the rollout engine (one vLLM replica per rank at
-rollout TP 1) is started last, once the process group exists.
+world, so each takes its own layout; the rollout engine (one vLLM replica per
+rollout.tensor_parallel_size consecutive ranks) is started last, once the process group exists.
 """
 
 from __future__ import annotations
@@ -216,18 +216,47 @@ class Session:
         self.critic.load_hf(dict(source.read(source.names)))
 
     def _start_rollout(self):
-        return start_rollout(self.config, self.rank)
+        r = self.config.rollout
+        offload = None
+        if r.offload_training_state:  # GPU only; on CPU TrainingOffload does nothing
+            from vapo_megatron.rollout.sleep_state import TrainingOffload
+
+            engines = [e for e in (self.policy, self.critic) if e is not None]
+            offload = TrainingOffload(
+                [chunk for e in engines for chunk in e.chunks], [e.optimizer for e in engines],
+                on_device=torch.cuda.is_available(),
+            )  # fmt: skip
+        return start_rollout(self.config, self.rank, training_offload=offload)
+
+    @property
+    def rollout_synced(self) -> bool:
+        """Whether the engine holds the policy's current weights *and* is awake to use them. A
+        sleeping engine reads as not synced, so the next rollout goes through sync_weights,
+        which wakes it in the right order (the engine refuses to generate while asleep)."""
+        return self._rollout_synced and not self.rollout.state.asleep
+
+    @rollout_synced.setter
+    def rollout_synced(self, value: bool) -> None:
+        self._rollout_synced = value
 
     @property
     def num_replicas(self) -> int:
+        """vLLM engine replicas in the job (world / rollout TP)."""
         return self.world_size // self.config.rollout.tensor_parallel_size
 
     @property
     def replica(self) -> int:
+        """This rank's engine replica (ranks r*k .. r*k + k-1 form replica r, k = rollout TP)."""
         return self.rank // self.config.rollout.tensor_parallel_size
 
+    @property
+    def is_replica_leader(self) -> bool:
+        """First rank of its replica: the one that hands the replica's samples to the gather."""
+        return self.rank % self.config.rollout.tensor_parallel_size == 0
+
     def close(self) -> None:
-        # vLLM tears down the default process group with the engine: shut it down last.
+        # vLLM tears down the default process group with the engine (every rank of every
+        # replica together): shut it down last.
         dist.barrier()
         self.rollout.shutdown()
         if dist.is_initialized():
@@ -250,24 +279,24 @@ def import_plugins(modules) -> None:
             ) from err
 
 
-def start_rollout(config: TrainConfig, rank: int):
-    """This rank's vLLM engine, started from model.path."""
+def start_rollout(config: TrainConfig, rank: int, *, training_offload=None):
+    """This rank's part of its vLLM engine replica, started from model.path: each
+    rollout.tensor_parallel_size consecutive ranks form one replica (vLLM's external_launcher;
+    every rank builds its part at the same time). Replicas are seeded apart, the ranks of one
+    replica alike (they sample in lockstep)."""
     from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
 
     r = config.rollout
-    if r.tensor_parallel_size != 1:
-        raise ValueError(
-            f"rollout.tensor_parallel_size={r.tensor_parallel_size}: engine replicas of vLLM "
-            "TP > 1 inside the training job (vLLM's external_launcher) are not built yet; "
-            "set rollout.tensor_parallel_size=1 (one engine per rank)"
-        )
+    replica = rank // r.tensor_parallel_size
     return RolloutEngine(
         RolloutConfig(
             model_path=config.model.path, tensor_parallel_size=r.tensor_parallel_size,
-            dtype=r.dtype, max_model_len=r.max_model_len, seed=config.trainer.seed + rank,
+            dtype=r.dtype, max_model_len=r.max_model_len, seed=config.trainer.seed + replica,
             kv_cache_bytes=r.kv_cache_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
             enforce_eager=r.enforce_eager, weight_bucket_bytes=r.weight_bucket_bytes,
-        )
+            sleep_level=r.sleep_level,
+        ),
+        training_offload=training_offload,
     )  # fmt: skip
 
 

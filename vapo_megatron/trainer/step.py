@@ -55,10 +55,12 @@ class Timer:
 
 
 def sync_weights(session: Session) -> dict[str, float]:
-    """Stream the policy's weights into the rollout engine (every rank receives every tensor).
+    """Stream the policy's weights into the rollout engine replicas: every rank receives every
+    full HF tensor, in process, and its part of its replica keeps its vLLM TP slice.
 
-    On GPU the engine's weights are woken first and its KV cache after, so the buckets in
-    flight never share the device with the KV cache; on CPU sleep and wake do nothing."""
+    The engine's weights are woken first and its KV cache after, so the buckets in flight never
+    share the device with the KV cache (the engine raises on any other order). On CPU vLLM has
+    no sleep mode: only the order is checked."""
     policy, rollout = session.policy, session.rollout
     rollout.wake_up(["weights"])
     buckets = stream_policy_weights(

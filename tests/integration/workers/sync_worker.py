@@ -1,13 +1,18 @@
-"""Worker: Megatron policy -> weight stream -> vLLM, checked against transformers.
+"""Worker: Megatron policy -> weight stream -> vLLM engine replicas, checked against transformers.
 
-With engine TP=1 every trainer rank hosts its own vLLM engine (colocated rollout); with
-engine TP=2, rank 0 hosts one engine whose two workers are separate processes, and rank 1
-only takes part in the stream. For each Megatron layout (TP2, PP2 over the 2 ranks):
-1. load weights A into Megatron, stream them into vLLM: greedy tokens equal transformers' on A;
-   vLLM's log-probs of its tokens agree with the Megatron policy's (scoring pass);
+Every rank hosts its share of a vLLM engine (external_launcher): with engine TP k, each k
+consecutive ranks form one replica, world / k replicas in all; every rank receives every full
+HF tensor from the stream (in process) and its vLLM worker keeps its TP slice. Replica r
+generates the prompts rotated by r, so replicas answer different requests. For each Megatron
+layout (TP2, PP2; DP takes the remaining ranks):
+1. load weights A into Megatron, stream them into vLLM: greedy tokens equal transformers' on A
+   on every replica, identical on the ranks of one replica; vLLM's log-probs of its tokens
+   agree with the Megatron policy's (scoring pass);
 2. one optimizer step in Megatron, stream: vLLM's greedy tokens change and equal transformers'
    on the updated weights (gathered back from Megatron);
 3. load B, stream (equals transformers on B), load A again, stream: exactly step 1's output.
+Then the sleep/wake order on the real engine: a sync or a generate in the wrong state raises,
+and the right order gives A's tokens again. Per rank: the peak extra memory of a sync.
 
 Usage: python sync_worker.py HF_DIR_OF_A ENGINE_TP
 """
@@ -15,6 +20,7 @@ Usage: python sync_worker.py HF_DIR_OF_A ENGINE_TP
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +34,7 @@ from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.cpu_shim import initialize_megatron_cpu
 from vapo_megatron.parallel.reductions import global_loss_normalisers
 from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
+from vapo_megatron.rollout.sleep_state import EngineStateError
 from vapo_megatron.rollout.weight_stream import stream_policy_weights
 from vapo_megatron.trainer.loss_fns import logprob_scoring_fn, policy_loss_fn
 from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
@@ -67,32 +74,42 @@ def hf_greedy(state: dict[str, torch.Tensor]) -> list[list[int]]:
     return out
 
 
-def sync(engine: ModelEngine, rollout: RolloutEngine | None, engine_tp: int) -> None:
-    """Stream the policy into the engines. Every rank takes part; with one TP>1 engine on
-    rank 0, only rank 0 receives tensors (the others only send their shards)."""
+def replica_prompts(replica: int) -> list[list[int]]:
+    """Replica r answers the prompts rotated by r (so replicas get different requests)."""
+    r = replica % len(PROMPTS)
+    return PROMPTS[r:] + PROMPTS[:r]
+
+
+def unrotate(rows: list, replica: int) -> list:
+    """Back to PROMPTS order."""
+    r = replica % len(PROMPTS)
+    return rows[len(rows) - r :] + rows[: len(rows) - r]
+
+
+def sync(engine: ModelEngine, rollout: RolloutEngine, bucket_bytes: int = 256 * 1024):
+    """Stream the policy into this rank's engine (every rank receives every tensor)."""
     buckets = stream_policy_weights(
         engine.chunks, engine.record, engine.config,
         tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
-        bucket_bytes=256 * 1024, receiver=None if engine_tp == 1 else 0,
+        bucket_bytes=bucket_bytes,
     )  # fmt: skip
-    named = [named for bucket in buckets for named in bucket] if rollout is None else None
-    if rollout is None:
-        assert named == [], "a rank without an engine received tensors"
-    else:
-        rollout.update_weights(named for bucket in buckets for named in bucket)
+    return rollout.update_weights(named for bucket in buckets for named in bucket)
 
 
-def greedy(rollout: RolloutEngine | None, engine_tp: int):
-    """Greedy tokens and log-probs: each rank's own engine (TP=1), or rank 0's (TP>1)."""
-    if engine_tp == 1:
-        samples = rollout.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=NEW_TOKENS)
-        return [s.response_token_ids for s in samples], [s.logprobs for s in samples]
-    result = [None]
-    if dist.get_rank() == 0:
-        samples = rollout.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=NEW_TOKENS)
-        result = [([s.response_token_ids for s in samples], [s.logprobs for s in samples])]
-    dist.broadcast_object_list(result, src=0)
-    return result[0]
+def greedy(rollout: RolloutEngine):
+    """Greedy tokens and log-probs of this rank's replica, in PROMPTS order. Checks that the
+    ranks of one replica got exactly the same output."""
+    samples = rollout.generate(
+        replica_prompts(rollout.replica), n=1, temperature=0.0, max_new_tokens=NEW_TOKENS
+    )
+    tokens = unrotate([s.response_token_ids for s in samples], rollout.replica)
+    logprobs = unrotate([s.logprobs for s in samples], rollout.replica)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (rollout.replica, tokens, logprobs))
+    for replica, other_tokens, other_logprobs in everyone:
+        if replica == rollout.replica:
+            assert (other_tokens, other_logprobs) == (tokens, logprobs), "a replica's ranks differ"
+    return tokens, logprobs
 
 
 def gathered_state(engine: ModelEngine) -> dict[str, torch.Tensor]:
@@ -141,59 +158,86 @@ def train_one_step(engine: ModelEngine, tokens, logprobs) -> None:
     engine.step()
 
 
+def check_sleep_order(engine: ModelEngine, rollout: RolloutEngine, tokens_a) -> None:
+    """The sleep/wake order on the real engine (on CPU only the bookkeeping, no vLLM calls)."""
+    rollout.sleep()
+    try:
+        sync(engine, rollout)
+        raise AssertionError("a sync into a sleeping engine did not raise")
+    except EngineStateError:
+        pass
+    rollout.wake_up(["weights"])
+    try:
+        greedy(rollout)
+        raise AssertionError("generating with the KV cache asleep did not raise")
+    except EngineStateError:
+        pass
+    sync(engine, rollout)
+    rollout.wake_up(["kv_cache"])
+    assert greedy(rollout)[0] == tokens_a
+
+
 def main(hf_dir: str, engine_tp: int) -> None:
     state_a, state_b = weights(0), weights(1)
     expected_a, expected_b = hf_greedy(state_a), hf_greedy(state_b)
     assert expected_a != expected_b
     initialize_megatron_cpu(tp=1)
-    if dist.get_rank() == 0:  # the engine starts from A's HF checkpoint
+    rank = dist.get_rank()
+    if rank == 0:  # the engine starts from A's HF checkpoint
         model = Qwen2ForCausalLM(CONFIG)
         model.load_state_dict(state_a)
         model.save_pretrained(hf_dir)
     dist.barrier()
-    rollout = None
-    if engine_tp == 1 or dist.get_rank() == 0:
-        rollout = RolloutEngine(
-            RolloutConfig(
-                model_path=hf_dir,
-                dtype="float32",
-                max_model_len=256,
-                tensor_parallel_size=engine_tp,
-            )
+    start = time.perf_counter()
+    rollout = RolloutEngine(
+        RolloutConfig(
+            model_path=hf_dir, dtype="float32", max_model_len=256, tensor_parallel_size=engine_tp,
+            kv_cache_bytes=64 << 20, seed=rank // engine_tp,
         )
+    )  # fmt: skip
+    print(
+        f"rank {rank}: replica {rollout.replica} of {dist.get_world_size() // engine_tp} "
+        f"(vLLM TP {engine_tp}) up in {time.perf_counter() - start:.1f} s"
+    )
     hf = HFModelConfig.from_hf(CONFIG.to_dict())
-    rank = dist.get_rank()
-    for name, layout in (("TP2", ModelLayout(tp=2)), ("PP2", ModelLayout(pp=2))):
+    layouts = (("TP2", ModelLayout(tp=2)), ("PP2", ModelLayout(pp=2)))
+    for name, layout in layouts:
         initialize_megatron_cpu(tp=layout.tp, pp=layout.pp)
         engine = ModelEngine(hf, layout, head="lm", optim=OptimSettings(lr=3e-2, clip_grad=0.0))
         engine.load_hf(state_a)
-        sync(engine, rollout, engine_tp)
-        tokens_a, logprobs_a = greedy(rollout, engine_tp)
+        before = rollout.reset_peak_memory()[0]
+        stats = sync(engine, rollout)
+        extra = rollout.peak_memory()[0] - before
+        print(
+            f"rank {rank}: {name}: sync of {stats.num_bytes / 1e6:.2f} MB in {stats.num_buckets} "
+            f"buckets, {stats.seconds:.3f} s (engine load {stats.load_seconds:.3f} s), peak "
+            f"extra memory {extra / 1e6:.1f} MB"
+        )
+        tokens_a, logprobs_a = greedy(rollout)
         assert tokens_a == expected_a, (name, tokens_a, expected_a)
         gap = logprob_agreement(engine, tokens_a, logprobs_a)
         assert gap < 1e-4, f"{name}: mean |exp(logp_vllm - logp_mcore) - 1| = {gap}"
         print(f"rank {rank}: {name}: greedy equals transformers; logprob gap {gap:.2e}")
 
         train_one_step(engine, tokens_a, logprobs_a)
-        sync(engine, rollout, engine_tp)
-        tokens_trained, _ = greedy(rollout, engine_tp)
+        sync(engine, rollout)
+        tokens_trained, _ = greedy(rollout)
         assert tokens_trained != tokens_a, f"{name}: one optimizer step did not reach vLLM"
         assert tokens_trained == hf_greedy(gathered_state(engine)), name
         print(f"rank {rank}: {name}: the trained step is visible in vLLM's next generation")
 
         engine.load_hf(state_b)
-        sync(engine, rollout, engine_tp)
-        assert greedy(rollout, engine_tp)[0] == expected_b, name
+        sync(engine, rollout)
+        assert greedy(rollout)[0] == expected_b, name
         engine.load_hf(state_a)
-        sync(engine, rollout, engine_tp)
-        assert greedy(rollout, engine_tp) == (tokens_a, logprobs_a), (
-            f"{name}: A -> B -> A is not exact"
-        )
+        sync(engine, rollout)
+        assert greedy(rollout) == (tokens_a, logprobs_a), f"{name}: A -> B -> A is not exact"
         print(f"rank {rank}: {name}: A -> B -> A returns exactly A's tokens and log-probs")
+    check_sleep_order(engine, rollout, tokens_a)
+    print(f"rank {rank}: sleep/wake order enforced; the right order gives A's tokens")
     dist.barrier()
-    # vLLM adopts the default group (TP=1) and tears it down with the engine: shut it down last.
-    if rollout is not None:
-        rollout.shutdown()
+    # vLLM adopted the default group and tears it down with the engine: shut it down last.
+    rollout.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,0 +1,166 @@
+"""The rollout engine's sleep/wake/sync/generate order (rollout/sleep_state.py), and the
+vLLM calls and training-memory offload the engine makes around it (with a stand-in for vLLM)."""
+
+import pytest
+
+from vapo_megatron.rollout.sleep_state import EngineStateError, SleepState, TrainingOffload
+
+pytestmark = pytest.mark.unit
+
+
+def cycle(state: SleepState, level: int) -> None:
+    """The trainer's order: sleep, wake weights, sync, wake KV cache, generate."""
+    state.sleep(level)
+    state.wake("weights")
+    state.begin_update()
+    state.end_update(ok=True)
+    state.wake("kv_cache")
+    state.check_generate()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_right_order_works_repeatedly(level):
+    state = SleepState()
+    state.check_generate()  # a fresh engine is awake and holds its checkpoint's weights
+    for _ in range(3):
+        cycle(state, level)
+    assert not state.asleep
+
+
+def test_level_1_keeps_the_weights_without_a_sync():
+    state = SleepState()
+    state.sleep(1)
+    state.wake("weights")
+    state.wake("kv_cache")
+    state.check_generate()
+
+
+def test_level_2_needs_a_sync_before_the_kv_cache_and_generation():
+    state = SleepState()
+    state.sleep(2)
+    state.wake("weights")
+    with pytest.raises(EngineStateError, match="level-2"):
+        state.wake("kv_cache")
+    with pytest.raises(EngineStateError, match="sleeps"):
+        state.check_generate()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sync_into_a_sleeping_engine_is_an_error(level):
+    state = SleepState()
+    state.sleep(level)
+    with pytest.raises(EngineStateError, match="sleeping engine"):
+        state.begin_update()
+    # The refusal changed nothing: the right order still works afterwards.
+    state.wake("weights")
+    state.begin_update()
+    state.end_update(ok=True)
+    state.wake("kv_cache")
+    state.check_generate()
+
+
+def test_generate_while_asleep_or_half_awake_is_an_error():
+    state = SleepState()
+    state.sleep(1)
+    with pytest.raises(EngineStateError, match="weights offloaded"):
+        state.check_generate()
+    state.wake("weights")
+    with pytest.raises(EngineStateError, match="KV cache asleep"):
+        state.check_generate()
+
+
+def test_kv_cache_before_weights_is_an_error():
+    state = SleepState()
+    state.sleep(1)
+    with pytest.raises(EngineStateError, match="before wake_up\\('weights'\\)"):
+        state.wake("kv_cache")
+
+
+def test_double_sleep_and_bad_values():
+    state = SleepState()
+    with pytest.raises(ValueError, match="1 or 2"):
+        state.sleep(3)
+    state.sleep(1)
+    with pytest.raises(EngineStateError, match="already"):
+        state.sleep(1)
+    with pytest.raises(ValueError, match="tags"):
+        state.wake("activations")
+
+
+def test_failed_sync_breaks_the_engine_for_good():
+    state = SleepState()
+    state.begin_update()
+    with pytest.raises(EngineStateError, match="in progress"):
+        state.check_generate()
+    state.end_update(ok=False)
+    for call in (state.check_generate, state.begin_update, lambda: state.sleep(1)):
+        with pytest.raises(EngineStateError, match="failed midway"):
+            call()
+
+
+class Recorder:
+    """Stands in for vLLM's LLM, Megatron's DDP chunks and optimizers: records the calls."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __getattr__(self, method):
+        return lambda *args, **kwargs: self.log.append((self.name, method, args, kwargs))
+
+
+def fake_engine(*, is_cpu: bool, level: int, log: list):
+    pytest.importorskip("vllm")  # generate imports vllm before it checks the state
+    from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
+
+    engine = RolloutEngine.__new__(RolloutEngine)  # no vLLM engine: calls are recorded
+    engine.config = RolloutConfig(model_path="unused", sleep_level=level)
+    engine.is_cpu = is_cpu
+    engine.state = SleepState()
+    engine.llm = Recorder(log, "llm")
+    engine.training_offload = TrainingOffload(
+        [Recorder(log, "chunk")], [Recorder(log, "optimizer")], on_device=not is_cpu
+    )
+    return engine
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_gpu_engine_calls_vllm_and_offloads_in_order(level):
+    log = []
+    engine = fake_engine(is_cpu=False, level=level, log=log)
+    engine.wake_up()  # awake already: nothing to do
+    engine.sleep()
+    engine.wake_up(["weights"])
+    engine.state.begin_update()  # update_weights itself needs vLLM's workers
+    engine.state.end_update(ok=True)
+    engine.wake_up(["kv_cache"])
+    engine.sleep()
+    calls = [(who, what) for who, what, _, _ in log]
+    assert calls == [
+        ("llm", "sleep"),
+        ("chunk", "offload_grad_buffers"),  # training memory out before the weights come in
+        ("optimizer", "offload_to_cpu"),
+        ("llm", "wake_up"),
+        ("llm", "wake_up"),
+        ("llm", "sleep"),
+        ("optimizer", "restore_from_cpu"),  # and back once the engine sleeps
+        ("chunk", "restore_grad_buffers"),
+    ]
+    assert log[0][3] == {"level": level}
+    assert [entry[3]["tags"] for entry in log if entry[1] == "wake_up"] == [
+        ["weights"],
+        ["kv_cache"],
+    ]
+
+
+def test_cpu_engine_calls_nothing_but_checks_the_order():
+    log = []
+    engine = fake_engine(is_cpu=True, level=1, log=log)
+    engine.sleep()
+    engine.wake_up(["weights"])
+    engine.wake_up(["kv_cache"])
+    engine.sleep()
+    assert log == []  # no vLLM sleep mode on CPU, nothing to offload
+    with pytest.raises(EngineStateError, match="sleeps"):
+        engine.generate([[1, 2]], max_new_tokens=1)
+    with pytest.raises(EngineStateError, match="sleeping engine"):
+        engine.update_weights([])
