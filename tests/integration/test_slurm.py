@@ -1,0 +1,135 @@
+"""The sbatch scripts: dry runs for both, and the real launch path through a fake ``srun``.
+
+The fake ``srun``/``scontrol`` (tests/integration/fake_bin/) start the command as local tasks
+with Slurm's task variables, so the line from the sbatch script through the rank wrapper to
+``vapo-train`` runs here with the tiny CPU recipe (2 gloo ranks, one step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.trainer_runs import make_assets, read_metrics
+from tests.launcher import REPO_ROOT
+from vapo_megatron.parallel.local_launch import free_port
+
+pytestmark = pytest.mark.integration
+SLURM = REPO_ROOT / "slurm"
+FAKE_BIN = Path(__file__).parent / "fake_bin"
+SCRIPTS = {"vapo_qwen32b.sh": (128, "qwen2.5-32b"), "vapo_qwen7b_1node.sh": (8, "qwen2.5-7b")}
+# The tiny run: one RL step, no critic pretraining, no eval or export.
+SHORT = ("trainer.steps=1 algorithm.value_pretrain_steps=0 eval.at_end=false "
+         "trainer.export_hf=false trainer.tensorboard=false")  # fmt: skip
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "MASTER"))}
+    for key in ("WORLD_SIZE", "LOCAL_RANK", "NODES", "RECIPE", "RUN_DIR", "EXTRA_ARGS"):
+        env.pop(key, None)
+    env.update(PYTHON=sys.executable, PYTHONWARNINGS="ignore", **extra)
+    return env
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_dry_run_prints_and_validates(script: str) -> None:
+    world, preset = SCRIPTS[script]
+    done = subprocess.run(["bash", str(SLURM / script)], env=clean_env(DRY_RUN="1"),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert f"= {world} ranks" in out
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in out and "NCCL_IB_TIMEOUT=" in out
+    assert "srun --nodes=" in out and "--ntasks-per-node=8" in out
+    assert "--container-image=" in out and "-m vapo_megatron.train" in out
+    assert f"--model {preset}" in out
+    summary = last_json(out)
+    assert summary["fits"] is True
+    policy = summary["layout"]["policy"]
+    assert policy["tp"] * policy["pp"] * policy["cp"] * policy["dp"] == world
+    assert "rollout_tp" in summary["layout"]
+    assert "vLLM TP" in out and "tp" in out
+
+
+def test_dry_run_refuses_a_world_the_recipe_cannot_use() -> None:
+    # TP 8 x CP 2 = 16 ranks per replica does not divide 12 GPUs: the trainer's own check says so.
+    env = clean_env(DRY_RUN="1", NODES="1", GPUS_PER_NODE="12")
+    done = subprocess.run(["bash", str(SLURM / "vapo_qwen32b.sh")], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert "does not divide the world size 12" in done.stderr
+    assert last_json(done.stdout)["valid"] is False
+
+
+def slurm_job(tmp_path: Path, **extra: str) -> tuple[list[str], dict[str, str], Path]:
+    """The 32B script as a fake one-node, two-GPU job running the tiny recipe."""
+    assets = make_assets(tmp_path / "assets")
+    log = tmp_path / "slurm.log"
+    env = clean_env(
+        PATH=f"{FAKE_BIN}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_LOG=str(log),
+        SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="127.0.0.1",
+        SLURM_SUBMIT_DIR=str(REPO_ROOT), MASTER_PORT=str(free_port()), GPUS_PER_NODE="2",
+        CONTAINER_IMAGE="none", RECIPE="recipes/tiny_cpu.yaml", RUN_DIR=str(tmp_path / "run"),
+        MODEL_PATH=assets["model.path"], TRAIN_DATA=assets["data.train_path"],
+        EVAL_DATA=assets["data.eval_path"], OMP_NUM_THREADS="1",
+        EXTRA_ARGS=f"model.create_tiny=false {SHORT}", PREFLIGHT="0",
+    )  # fmt: skip
+    env.update(extra)
+    return ["bash", str(SLURM / "vapo_qwen32b.sh")], env, log
+
+
+@pytest.mark.slow  # ~90 s on 2 shared cores: the tiny run's start-up dominates
+def test_launch_path_runs_the_trainer_through_srun(tmp_path: Path) -> None:
+    command, env, log = slurm_job(tmp_path)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    node_logs = list((tmp_path / "run" / "slurm_logs" / "4242" / "attempt-0").glob("*.log"))
+    detail = (
+        done.stdout[-2000:]
+        + done.stderr[-2000:]
+        + "".join(p.read_text()[-4000:] for p in node_logs)
+    )
+    assert done.returncode == 0, detail
+    assert [p.name for p in node_logs] == ["fake-node-0.log"]
+    calls = log.read_text()
+    assert "srun --nodes=1 --ntasks-per-node=2" in calls
+    assert "requeue" not in calls  # finished, not signalled
+    assert max(read_metrics(tmp_path / "run")) == 1
+    assert (tmp_path / "run" / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.slow
+def test_usr1_saves_requeues_and_resumes(tmp_path: Path) -> None:
+    """The time-limit path: USR1 to the batch shell -> every rank saves -> scontrol requeue;
+    the same command again resumes from checkpoints/latest."""
+    command, env, log = slurm_job(tmp_path, PREFLIGHT="1",
+                                  EXTRA_ARGS=f"model.create_tiny=false {SHORT} trainer.steps=50")  # fmt: skip
+    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)  # fmt: skip
+    run_dir, deadline = tmp_path / "run", time.monotonic() + 240
+    while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)):
+        assert job.poll() is None and time.monotonic() < deadline, job.stdout.read()
+        time.sleep(1)
+    job.send_signal(signal.SIGUSR1)
+    out, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, out[-4000:]
+    assert "scontrol requeue 4242" in log.read_text(), out[-4000:]
+    saved = max(read_metrics(run_dir))
+    assert 1 <= saved < 50
+    env["SLURM_RESTART_COUNT"] = "1"
+    env["EXTRA_ARGS"] = f"model.create_tiny=false {SHORT} trainer.steps={saved + 1}"
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert max(read_metrics(run_dir)) == saved + 1
+    shutil.rmtree(tmp_path / "assets", ignore_errors=True)
