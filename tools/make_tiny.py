@@ -4,7 +4,7 @@
 
 OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (plain rows, graded by DAPO's grader), OUT_DIR/model
 (tokenizer + Qwen2ForCausalLM, a complete HF directory). Prints one JSON line: paths, sizes,
-seconds, and the eval pass rate (greedy and temperature 1) when a warm-up ran. When OUT_DIR
+wall and CPU seconds, and the eval pass rate (greedy and temperature 1) when a warm-up ran. When OUT_DIR
 already holds outputs made with the same parameters (OUT_DIR/stamp.json) nothing is redone and
 the recorded line is printed again, with "reused": true.
 """
@@ -48,7 +48,7 @@ def main() -> None:
     from vapo_megatron.data.synthetic import make_splits, read_rows
     from vapo_megatron.data.tiny_model import pass_rate, write_tiny_model
 
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     train_path, eval_path = make_splits(out_dir, args.n_train, args.n_eval, args.seed)
     write_tiny_model(
         model_dir,
@@ -65,6 +65,8 @@ def main() -> None:
         "n_eval": args.n_eval,
         "model_mb": round((model_dir / "model.safetensors").stat().st_size / 2**20, 2),
         "seconds": round(time.perf_counter() - start, 2),
+        # CPU seconds of this process: what the build costs when the cores are shared.
+        "cpu_seconds": round(time.process_time() - start_cpu, 2),
     }
     if args.warmup_steps > 0:
         model = AutoModelForCausalLM.from_pretrained(model_dir)

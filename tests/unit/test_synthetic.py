@@ -141,6 +141,8 @@ def test_model_dir_loads_and_generates(tmp_path):
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id
     assert (path / "model.safetensors").exists()
     prompt = tokenizer(dapo_instruction("Add the numbers: 1 2"), return_tensors="pt")
+    # The saved tokenizer keeps DAPO's instruction as one token each side.
+    assert prompt["input_ids"].shape[1] == len(tokenizer("Add the numbers: 1 2")["input_ids"]) + 2
     output = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert output.shape[1] > prompt["input_ids"].shape[1]
     assert isinstance(tokenizer.decode(output[0]), str)

@@ -1,12 +1,16 @@
 """A complete tiny Hugging Face model directory for the synthetic task, built on the spot.
 
-- Tokenizer: byte-level BPE trained on the task's text (problems under the prompt template,
-  worked solutions), so any string round-trips exactly and the task's numbers and words are
-  mostly single tokens. Special tokens ``<|endoftext|>`` (eos) and ``<|pad|>``.
+- Tokenizer: byte-level BPE trained on the task's problems and worked solutions, digit runs
+  split off first, so any string round-trips exactly and each number is one token wherever it
+  appears. DAPO's instruction (before and after the problem) is one added token each, and
+  special tokens ``<|endoftext|>`` (eos, id 0) and ``<|pad|>`` (id 1).
 - Policy: ``Qwen2ForCausalLM`` with random weights from the seed, in a shape vLLM's CPU build
   runs (head_dim 64) and Megatron splits at TP 2 / PP 2 (2 heads, 2 layers).
 - Warm-up (optional): a short supervised run on (prompt, solution) pairs of the train split,
   loss on the solution and eos tokens only, so RL starts from a low but non-zero pass rate.
+  Measured on the 200 eval prompts (seed 0, batch 16, lr 3e-3, one thread, ~0.055 CPU seconds a
+  step): 0 steps 0% pass; 1000 steps ~4-6%; 1500 steps (~85 CPU seconds) 14% greedy, 14.5%
+  at temperature 1.
 
 Everything is a function of the seed: the corpus, the BPE merges, the initial weights and the
 warm-up's data order; the warm-up runs on one CPU thread, so its weights are bit-identical.
@@ -33,7 +37,8 @@ from vapo_megatron.rewards.dapo_math import grade
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 TOKENIZER_VOCAB_SIZE = 510
-"""BPE vocabulary target: 256 bytes, merges and the 2 special tokens (DAPO's 2 phrases come on top)."""
+"""BPE vocabulary cap: 256 bytes, merges and the 2 special tokens, DAPO's 2 phrases on top.
+The task's corpus runs out of merges first: the vocabulary comes out at ~400."""
 WARMUP_TEMPLATES = ("dapo", "raw")
 """Prompt templates the tiny model can be built for (it has no chat template)."""
 CORPUS_ROWS = 2000
