@@ -8,7 +8,7 @@ loader and checks (``load_recipe``, ``TrainConfig.check``, ``check_layout_pair``
 ``ModelLayout.check``): exit 2 with the trainer's message when it would refuse to start. Its
 layout is then planned as written, and, when it does not fit, the recipe values to change are
 listed. Without a recipe a layout is searched for. The memory model is
-``vapo_megatron/parallel/memory_plan.py``. The last line printed is JSON:
+``vapo_megatron/models/memory_plan.py``. The last line printed is JSON:
 ``{"fits": ..., "layout": {...}, "peak_gib": ..., ...}``.
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vapo_megatron.models import memory_plan as mp  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
 from vapo_megatron.models.provider import ModelLayout  # noqa: E402
-from vapo_megatron.parallel import memory_plan as mp  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

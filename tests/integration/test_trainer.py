@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 from tests.integration.trainer_runs import (
     STEP_KEYS,
+    TINY,
     make_assets,
     plain_command,
     plain_env,
@@ -67,7 +69,7 @@ def test_vapo_end_to_end_policy_tp2_critic_pp2(assets, tmp_path):
     run_trainer(
         run, assets, 2, "policy.layout.tp=2", "critic.layout.tp=1", "critic.layout.pp=2",
         "algorithm.value_pretrain_steps=2", "critic_pretrain.min_steps=2", "trainer.steps=2",
-        "eval.max_prompts=8",
+        "eval.max_prompts=8", "critic_pretrain.save_rollouts=true",
     )  # fmt: skip
     check_step_metrics(read_metrics(run), 2)
     assert sorted(read_metrics(run, "critic_pretrain")) == [1, 2]
@@ -141,6 +143,7 @@ def test_every_preset_runs_one_step(assets, tmp_path):
 
     for name in PRESETS:
         assert f"preset {name}: one step" in outputs[0], name
+    assert "critic reload: every tensor, value head included, equals the saved one" in outputs[0]
 
 
 def test_resume_after_kill_matches_uninterrupted_run(assets, tmp_path):
@@ -170,3 +173,38 @@ def test_resume_after_kill_matches_uninterrupted_run(assets, tmp_path):
     for key in ("score", "response_length/mean", "policy/pg_loss", "critic/value_loss",
                 "policy/grad_norm", "critic/grad_norm", "advantages/mean"):  # fmt: skip
         assert math.isclose(a[3][key], b[3][key], rel_tol=1e-6, abs_tol=1e-9), (key, a[3], b[3])
+
+
+def test_eval_command_and_offline_critic_fit(assets, tmp_path):
+    """vapo-eval on an exported policy; critic pretraining from rollouts saved by a run."""
+    first = tmp_path / "first"
+    run_trainer(
+        first, assets, 1, "policy.layout.tp=1", "critic.layout.tp=1",
+        "algorithm.value_pretrain_steps=2", "critic_pretrain.min_steps=2",
+        "critic_pretrain.save_rollouts=true", "trainer.steps=0", "eval.at_end=false",
+    )  # fmt: skip
+    saved = sorted((first / "rollouts").glob("step_*.pt"))
+    assert [p.name for p in saved] == ["step_000001.pt", "step_000002.pt"]
+    evaluation = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "vapo_megatron" / "evaluate.py"), str(TINY),
+         *[f"{k}={v}" for k, v in assets.items()], "trainer.local_world_size=1",
+         "eval.max_prompts=4", f"trainer.run_dir={tmp_path / 'eval'}",
+         "--model", str(first / "hf_policy")],
+        env=plain_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+    result = json.loads(evaluation.stdout.strip().splitlines()[-1])
+    assert result["num_prompts"] == 4 and 0 <= result["avg@4"] <= result["pass@4"] <= 1
+    offline = tmp_path / "offline"
+    run_trainer(
+        offline, assets, 1, "policy.layout.tp=1", "critic.layout.tp=1",
+        "algorithm.value_pretrain_steps=3", "critic_pretrain.min_steps=3",
+        f"critic_pretrain.offline_rollouts={first / 'rollouts'}", "trainer.steps=0",
+        "eval.at_end=false", "trainer.export_hf=false",
+    )  # fmt: skip
+    import torch
+
+    fitted = read_metrics(offline, "critic_pretrain")
+    sizes = [len(torch.load(p, weights_only=True)) for p in saved]
+    # Step k fits the k-th saved file, cycling: 1, 2, 1.
+    assert [fitted[s]["num_samples"] for s in (1, 2, 3)] == [sizes[0], sizes[1], sizes[0]]

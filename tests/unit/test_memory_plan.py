@@ -1,4 +1,4 @@
-"""The planner's model (vapo_megatron/parallel/memory_plan.py).
+"""The planner's model (vapo_megatron/models/memory_plan.py).
 
 Parameter counts are checked against megatron-core models built on CPU in two gloo ranks (this
 file is also the worker: ``python test_memory_plan.py OUT_DIR``); the rest against the
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from vapo_megatron.models import memory_plan as mp
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.provider import ModelLayout
-from vapo_megatron.parallel import memory_plan as mp
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
          "num_attention_heads": 4, "vocab_size": 250, "max_position_embeddings": 512,

@@ -62,7 +62,12 @@ class EvalSession:
         from vapo_megatron.trainer import session as train_session
 
         train_session.init_distributed()
-        config.check(dist.get_world_size())
+        tp = config.rollout.tensor_parallel_size
+        if dist.get_world_size() % tp:  # only the engines' layout matters here
+            raise ValueError(
+                f"rollout.tensor_parallel_size={tp} does not divide the {dist.get_world_size()} "
+                "ranks; change it or the number of ranks (trainer.local_world_size)"
+            )
         self.config = config
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         train_session.import_plugins(config.reward.plugins)

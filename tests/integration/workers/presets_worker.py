@@ -12,7 +12,11 @@ import math
 import sys
 from pathlib import Path
 
+import torch
+
 from vapo_megatron.algorithms.presets import PRESETS, algo_preset
+from vapo_megatron.models import hf_io
+from vapo_megatron.trainer.export import export_hf
 from vapo_megatron.trainer.recipe import load_recipe
 from vapo_megatron.trainer.session import Session
 from vapo_megatron.trainer.step import run_step
@@ -35,7 +39,25 @@ def main(recipe: str, overrides: list[str]) -> None:
         if algo.uses_critic:
             assert math.isfinite(metrics["critic/value_loss"]), (name, metrics)
         print(f"preset {name}: one step, pg_loss {metrics['policy/pg_loss']:+.4f}", flush=True)
+    check_critic_reload(session, config)
     session.close()
+
+
+def check_critic_reload(session: Session, config) -> None:
+    """NeMo-RL #3821, slime #1878: a loaded critic's value head equals the saved one."""
+    out = Path(config.trainer.run_dir) / "critic_export"
+    export_hf(
+        session.critic, out, hf_config=hf_io.read_config(config.model.path),
+        assets_from=config.model.path,
+    )  # fmt: skip
+    source = hf_io.HFCheckpoint(out)
+    saved = dict(source.read(source.names))
+    session.critic.load_hf({k: torch.randn_like(v) for k, v in saved.items()})  # scramble
+    session.load_critic(out)
+    now = dict(session.critic.hf_weights())
+    assert set(now) == set(saved) and "score.weight" in saved
+    assert all(torch.equal(now[k], saved[k]) for k in saved), "a reloaded critic differs"
+    print("critic reload: every tensor, value head included, equals the saved one", flush=True)
 
 
 if __name__ == "__main__":
