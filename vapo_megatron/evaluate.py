@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not config.data.eval_path:
             raise ValueError("vapo-eval needs data.eval_path; set it in the recipe or override it")
-        if not under_launcher() and config.trainer.local_world_size > 1:
+        if not under_launcher():  # every rank, even a single one, gets the launcher environment
             return relaunch_as_local_ranks(
                 config.trainer.local_world_size, log_dir=Path(config.trainer.run_dir) / "logs"
             )

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_recipe(args.recipe, args.overrides)
-        if not under_launcher() and config.trainer.local_world_size > 1:
+        if not under_launcher():  # every rank, even a single one, gets the launcher environment
             logs = Path(config.trainer.run_dir) / "logs"
             logging.info(
                 "starting %d local ranks (the others log to %s)",
