@@ -43,6 +43,7 @@ from vapo_megatron.models import checkpoint as ckpt  # noqa: E402
 from vapo_megatron.models import convert as conv  # noqa: E402
 from vapo_megatron.models import hf_io  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
+from vapo_megatron.parallel.gather import all_gather_objects  # noqa: E402
 from vapo_megatron.parallel.local_launch import relaunch_as_local_ranks  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -218,15 +219,16 @@ def _verify(args: argparse.Namespace, meta, hf: HFModelConfig, precision: str) -
     length = min(PROMPT_LEN, hf.max_position_embeddings)
     tokens = torch.randint(0, hf.vocab_size, (NUM_PROMPTS, length), generator=gen)
     ours = _megatron_outputs(hf, meta.head, args.ckpt, tokens)
-    failed = torch.zeros(1)
+    report = None
     if ours is not None:  # the last pipeline stage's first TP rank compares
         reference = _hf_outputs(args.hf, meta.head, tokens)
         report = _compare(ours, reference, precision, meta.head)
-        failed[0] = not report["passed"]
+    # Rank 0 prints (the one rank a plain start shows on the console).
+    (report,) = [r for r in all_gather_objects(report) if r is not None]
+    if dist.get_rank() == 0:
         _report("verify", 0.0, 0, **report, tp=args.tp, pp=args.pp)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     destroy()
-    return int(failed.item())
+    return int(not report["passed"])
 
 
 # ----- verify -----
