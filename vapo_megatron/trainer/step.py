@@ -106,12 +106,14 @@ def collect_rollouts(
     kept = kept[: algo.prompts_per_step]
     stats.groups_kept = len(kept)
     flat = []
-    for g, group in enumerate(kept):
+    for group in kept:
+        if any(not t.response for t in group):
+            # No token to carry the reward; dropping only that sample would misalign the
+            # group baseline, so the whole group goes (counted).
+            stats.empty_responses += sum(not t.response for t in group)
+            continue
         for t in group:
-            t.group = g
-            if not t.response:  # nothing to score or to carry the reward
-                stats.empty_responses += 1
-                continue
+            t.group = len(flat) // n
             flat.append(t)
     shape_rewards(flat, algo, rollout.max_new_tokens)
     return flat, stats
