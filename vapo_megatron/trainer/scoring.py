@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.parallel.gather import all_gather_varlen
-from vapo_megatron.trainer.batching import FLAT_INDEX, build_samples, dp_share, micro_batches
+from vapo_megatron.trainer.batching import (
+    FLAT_INDEX,
+    build_samples,
+    dp_share,
+    micro_batches,
+    response_offsets,
+)
 from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
 
 
@@ -30,9 +36,7 @@ def score_flat(
 ) -> torch.Tensor:
     """``output_key`` of ``scoring_fn`` for every response token of the step: [N] float32 in
     flat order (sample by sample, token by token), on every rank."""
-    lengths = [len(r) for r in responses]
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    offsets[1:] = torch.tensor(lengths, dtype=torch.long).cumsum(0)
+    offsets = response_offsets([len(r) for r in responses])
     total = int(offsets[-1])
     token_counts = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     mine = dp_share(token_counts, engine.dp_size, engine.dp_rank)
