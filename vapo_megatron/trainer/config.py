@@ -92,7 +92,7 @@ class RolloutSettings:
     offload_training_state: bool = False
     """GPU: move gradient buffers and optimizer state to host while the engine is awake. CPU: no-op."""
     logprob_gap_warn: float = 0.05
-    """Warn when mean |exp(logp_vllm - logp_megatron) - 1| exceeds this (a stale or broken sync)."""
+    """Warn when mean |exp(logp_vllm - logp_megatron) - 1| exceeds this (a stale or broken sync); exact at top_p = 1, top_p < 1 adds the nucleus renormalisation."""
 
 
 @dataclass(frozen=True, kw_only=True)

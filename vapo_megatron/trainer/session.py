@@ -295,6 +295,9 @@ def start_rollout(config: TrainConfig, rank: int, *, training_offload=None):
             kv_cache_bytes=r.kv_cache_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
             enforce_eager=r.enforce_eager, weight_bucket_bytes=r.weight_bucket_bytes,
             sleep_level=r.sleep_level,
+            # After temperature (and top-p): at top_p = 1 these equal the Megatron policy's
+            # log-probs at the sampling temperature, which the log-prob gap compares with.
+            logprobs_mode="processed_logprobs",
         ),
         training_offload=training_offload,
     )  # fmt: skip
