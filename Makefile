@@ -5,7 +5,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
-.PHONY: venv test test-all lint format bench clean-venv
+.PHONY: venv demo test test-all lint format bench clean-venv
 
 $(STAMP): setup.py Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ $(STAMP): setup.py Makefile
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+# VAPO on the tiny task, every real part in the path; docs/demo.md. Again: shows or resumes
+# runs/demo; `make demo DEMO_ARGS=--fresh` starts over.
+demo: $(STAMP)
+	$(PY) tools/demo.py $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,0 +1,251 @@
+"""`make demo`: a tiny Qwen2 learns the synthetic arithmetic task with VAPO, every real part in the path.
+
+    python tools/demo.py [--recipe recipes/demo.yaml] [--fresh] [section.key=value ...]
+
+1. Assets: the task's train and held-out splits, a BPE tokenizer and a tiny Qwen2 warmed up by
+   supervised steps from random weights (model.tiny_warmup_steps), then tools/convert.py
+   hf-to-mcore of that policy at the policy's layout (the run loads it through policy.load).
+   Built once; a stamp next to the model says with which values, and other values rebuild.
+2. vapo-train on the recipe: critic pretraining, held-out evaluation before the first step,
+   the VAPO steps, evaluation after the last, HF export; its console (a progress bar and a line
+   per step) is this one.
+3. The curves (tools/plot_curves.py) and RUN_DIR/summary.json: the trainer's summary plus
+   pass_rate_before / pass_rate_after (avg@k over the held-out prompts) with their standard
+   errors, steps and the demo's seconds.
+
+Over an existing run directory it resumes from the run's last checkpoint, shows a finished
+run's results without training again, or with --fresh deletes it and starts over; the console
+says which. Exit status: 0 done, 1 a step failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from vapo_megatron.train import quiet_dependencies  # noqa: E402
+
+quiet_dependencies()
+
+from plot_curves import plot_curves, read_metrics  # noqa: E402
+
+from vapo_megatron.trainer.checkpointing import latest_step  # noqa: E402
+from vapo_megatron.trainer.config import TrainConfig  # noqa: E402
+from vapo_megatron.trainer.recipe import load_recipe  # noqa: E402
+
+DEFAULT_RECIPE = REPO_ROOT / "recipes" / "demo.yaml"
+CONVERT = REPO_ROOT / "tools" / "convert.py"
+ASSETS_STAMP_VERSION = 1
+"""Bump when what the assets are made of changes, so old ones are rebuilt."""
+
+
+def prepare_assets(config: TrainConfig, *, log=print) -> dict[str, float]:
+    """Builds the task's splits, the warmed-up tiny model and its Megatron checkpoint where
+    missing or made with other values; returns the seconds each part took (0 when reused)."""
+    from vapo_megatron.data.synthetic import make_splits
+    from vapo_megatron.data.tiny_model import write_tiny_model
+
+    model, data = config.model, config.data
+    train_path, eval_path = Path(data.train_path), Path(data.eval_path or "")
+    if eval_path.parent != train_path.parent or (train_path.name, eval_path.name) != (
+        "train.jsonl",
+        "eval.jsonl",
+    ):
+        raise ValueError(
+            f"the tiny task is written as DIR/train.jsonl and DIR/eval.jsonl; got "
+            f"data.train_path={train_path}, data.eval_path={data.eval_path}"
+        )
+    model_dir, mcore_dir = Path(model.path), converted_policy_dir(config)
+    stamp_path = model_dir.parent / "demo_assets.json"
+    params = {
+        "version": ASSETS_STAMP_VERSION, "seed": model.tiny_seed,
+        "warmup_steps": model.tiny_warmup_steps, "num_train": model.tiny_num_train,
+        "num_eval": model.tiny_num_eval, "template": data.template, "data_dir": str(train_path.parent),
+        "tp": config.policy.layout.tp, "pp": config.policy.layout.pp, "dtype": config.model.dtype,
+    }  # fmt: skip
+    stamp = json.loads(stamp_path.read_text()) if stamp_path.is_file() else None
+    built = {"assets_seconds": 0.0, "convert_seconds": 0.0}
+    have_model = (model_dir / "config.json").is_file() and train_path.is_file()
+    if stamp is not None and stamp["params"] == params and have_model:
+        log(f"demo: assets reused from {model_dir.parent} ({stamp['note']})")
+    else:
+        started = time.perf_counter()
+        log(
+            f"demo: building the tiny task and model ({model.tiny_warmup_steps} supervised "
+            f"warm-up steps from random weights) in {model_dir.parent}"
+        )
+        for stale in (model_dir, mcore_dir):
+            shutil.rmtree(stale, ignore_errors=True)
+        make_splits(train_path.parent, model.tiny_num_train, model.tiny_num_eval, model.tiny_seed)
+        write_tiny_model(
+            model_dir, seed=model.tiny_seed, warmup_steps=model.tiny_warmup_steps,
+            train_path=train_path, template=data.template,
+        )  # fmt: skip
+        built["assets_seconds"] = time.perf_counter() - started
+        note = f"built in {built['assets_seconds']:.0f} s"
+        stamp_path.write_text(json.dumps({"params": params, "note": note}, indent=2) + "\n")
+        log(f"demo: tiny task and model {note}")
+    if not (mcore_dir / "vapo_checkpoint.json").is_file():
+        started = time.perf_counter()
+        layout = config.policy.layout
+        dtype = {"float32": "fp32", "bfloat16": "bf16"}[config.model.dtype]
+        command = [
+            sys.executable, str(CONVERT), "hf-to-mcore", "--hf", str(model_dir),
+            "--out", str(mcore_dir), "--tp", str(layout.tp), "--pp", str(layout.pp),
+            "--dtype", dtype, "--force",
+        ]  # fmt: skip
+        log(f"demo: tools/convert.py hf-to-mcore -> {mcore_dir} (TP {layout.tp}, PP {layout.pp})")
+        done = subprocess.run(command, env=_env(), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"tools/convert.py failed:\n{done.stdout}\n{done.stderr}")
+        built["convert_seconds"] = time.perf_counter() - started
+    return built
+
+
+def converted_policy_dir(config: TrainConfig) -> Path:
+    """Where tools/convert.py writes the policy: policy.load, else next to model.path."""
+    return Path(config.policy.load or Path(config.model.path).parent / "policy_mcore")
+
+
+def run_trainer(recipe: Path, overrides: list[str]) -> int:
+    """vapo-train on this console (it starts its own local ranks); returns its exit status."""
+    command = [sys.executable, "-m", "vapo_megatron.train", str(recipe), *overrides]
+    return subprocess.run(command, env=_env()).returncode
+
+
+def pass_rate(eval_row: dict) -> dict[str, float]:
+    """avg@k of one eval row, with its standard error over prompts.
+
+    When the trainer logs ``avg@k/stderr`` (the spread of per-prompt accuracies) it is used;
+    otherwise the bound sqrt(p (1 - p) / prompts), which holds because a per-prompt mean of
+    0/1 accuracies has variance at most p (1 - p) (reached when a prompt's k samples agree).
+    """
+    key = next(k for k in eval_row if k.startswith("avg@") and "/" not in k)
+    rate, prompts = eval_row[key], eval_row["num_prompts"]
+    stderr = eval_row.get(f"{key}/stderr")
+    measured = stderr is not None
+    if not measured:
+        stderr = math.sqrt(rate * (1 - rate) / max(prompts, 1))
+    return {"rate": rate, "stderr": stderr, "stderr_measured": measured, "metric": key,
+            "num_prompts": prompts}  # fmt: skip
+
+
+def summarize(run_dir: Path, seconds: float, extra: dict) -> dict:
+    """The trainer's summary.json plus the demo's pass rates, steps and seconds."""
+    trainer_summary = json.loads((run_dir / "summary.json").read_text())
+    evals = read_metrics(run_dir / "metrics.jsonl").get("eval", {})
+    if 0 not in evals:
+        raise RuntimeError(f"{run_dir}/metrics.jsonl has no evaluation before step 1")
+    steps = trainer_summary["steps"]
+    before, after = pass_rate(evals[0]), pass_rate(evals[steps])
+    gain = after["rate"] - before["rate"]
+    return {
+        **trainer_summary,
+        "pass_rate_before": before["rate"],
+        "pass_rate_before_stderr": before["stderr"],
+        "pass_rate_after": after["rate"],
+        "pass_rate_after_stderr": after["stderr"],
+        "gain_points": 100 * gain,
+        "gain_stderr_points": 100 * math.hypot(before["stderr"], after["stderr"]),
+        "stderr": "measured over prompts" if after["stderr_measured"] else "upper bound",
+        "eval_metric": after["metric"],
+        "eval_prompts": after["num_prompts"],
+        "steps": steps,
+        "seconds": seconds,
+        "train_seconds": trainer_summary["seconds"],
+        **extra,
+    }
+
+
+def outputs(run_dir: Path) -> list[Path]:
+    events = sorted((run_dir / "tensorboard").glob("events.*"))
+    files = [run_dir / "metrics.jsonl", *events, run_dir / "curves.png", run_dir / "summary.json"]
+    return [*files, run_dir / "hf_policy"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE)
+    parser.add_argument("--fresh", action="store_true", help="delete the run directory first")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, as for vapo-train")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        config = load_recipe(args.recipe, args.overrides)
+        run_dir = Path(config.trainer.run_dir)
+        summary_path = run_dir / "summary.json"
+        done = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        start = "fresh"
+        if args.fresh and run_dir.exists():
+            shutil.rmtree(run_dir)
+            print(f"demo: --fresh: deleted {run_dir}; starting fresh")
+        elif "pass_rate_after" in done and done["steps"] == config.trainer.steps:
+            print(f"demo: {run_dir} holds a finished run; showing it (--fresh to train again)")
+            return _report(run_dir, done)
+        elif (step := latest_step(run_dir / "checkpoints")) is not None:
+            start = "resumed"
+            print(
+                f"demo: resuming {run_dir} from its checkpoint {step} (critic pretraining and "
+                "VAPO steps count together; --fresh to start over)"
+            )
+        else:
+            if run_dir.exists():
+                shutil.rmtree(run_dir)  # no checkpoint: nothing to resume, only stale logs
+            print(f"demo: starting fresh in {run_dir}")
+        built = prepare_assets(config)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        print(f"demo: {err}", file=sys.stderr)
+        return 1
+    status = run_trainer(args.recipe, args.overrides)
+    if status != 0:
+        print(f"demo: vapo-train failed (exit {status}); logs in {run_dir}/logs", file=sys.stderr)
+        return status
+    plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", title=f"VAPO demo: {run_dir}")
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu_seconds = sum(u.ru_utime + u.ru_stime for u in usage)
+    summary = summarize(
+        run_dir,
+        time.perf_counter() - started,
+        {**built, "cpu_seconds": cpu_seconds, "start": start},
+    )
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return _report(run_dir, summary)
+
+
+def _report(run_dir: Path, summary: dict) -> int:
+    before, after = summary["pass_rate_before"], summary["pass_rate_after"]
+    print(
+        f"demo: held-out pass rate ({summary['eval_metric']}, {summary['eval_prompts']:.0f} "
+        f"prompts) {100 * before:.1f}% -> {100 * after:.1f}% ({summary['gain_points']:+.1f} "
+        f"points, standard error {summary['gain_stderr_points']:.1f}, {summary['stderr']}) "
+        f"after {summary['steps']} steps in {summary['seconds']:.0f} s"
+    )
+    print("demo: outputs")
+    for path in outputs(run_dir):
+        print(f"  {path}")
+    return 0
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
+    return env
+
+
+if __name__ == "__main__":
+    sys.exit(main())
