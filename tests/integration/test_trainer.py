@@ -63,14 +63,21 @@ def check_step_metrics(rows: dict[int, dict], steps: int) -> None:
         assert row["rollout/logprob_gap"] < 1e-3  # the engine holds the trained weights
 
 
-def test_vapo_end_to_end_policy_tp2_critic_pp2(assets, tmp_path):
-    """Critic pretraining, two VAPO steps, evaluation, HF export: policy TP2, critic PP2."""
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def end_to_end(assets, tmp_path_factory):
+    """One full run shared by the tests below: critic pretraining (rollouts saved), two VAPO
+    steps, evaluation, HF export; policy TP2, critic PP2 on 2 ranks."""
+    run = tmp_path_factory.mktemp("end_to_end") / "run"
     run_trainer(
         run, assets, 2, "policy.layout.tp=2", "critic.layout.tp=1", "critic.layout.pp=2",
         "algorithm.value_pretrain_steps=2", "critic_pretrain.min_steps=2", "trainer.steps=2",
         "eval.max_prompts=8", "critic_pretrain.save_rollouts=true",
     )  # fmt: skip
+    return run
+
+
+def test_vapo_end_to_end_policy_tp2_critic_pp2(end_to_end):
+    run = end_to_end
     check_step_metrics(read_metrics(run), 2)
     assert sorted(read_metrics(run, "critic_pretrain")) == [1, 2]
     evals = read_metrics(run, "eval")
@@ -175,14 +182,9 @@ def test_resume_after_kill_matches_uninterrupted_run(assets, tmp_path):
         assert math.isclose(a[3][key], b[3][key], rel_tol=1e-6, abs_tol=1e-9), (key, a[3], b[3])
 
 
-def test_eval_command_and_offline_critic_fit(assets, tmp_path):
-    """vapo-eval on an exported policy; critic pretraining from rollouts saved by a run."""
-    first = tmp_path / "first"
-    run_trainer(
-        first, assets, 1, "policy.layout.tp=1", "critic.layout.tp=1",
-        "algorithm.value_pretrain_steps=2", "critic_pretrain.min_steps=2",
-        "critic_pretrain.save_rollouts=true", "trainer.steps=0", "eval.at_end=false",
-    )  # fmt: skip
+def test_eval_command_and_offline_critic_fit(assets, end_to_end, tmp_path):
+    """vapo-eval on the exported policy; critic pretraining from the run's saved rollouts."""
+    first = end_to_end
     saved = sorted((first / "rollouts").glob("step_*.pt"))
     assert [p.name for p in saved] == ["step_000001.pt", "step_000002.pt"]
     evaluation = subprocess.run(
