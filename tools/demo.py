@@ -129,13 +129,15 @@ def pass_rate(eval_row: dict) -> dict[str, float]:
 
     When the trainer logs ``avg@k/stderr`` (the spread of per-prompt accuracies) it is used;
     otherwise the bound sqrt(p (1 - p) / prompts), which holds because a per-prompt mean of
-    0/1 accuracies has variance at most p (1 - p) (reached when a prompt's k samples agree).
+    0/1 accuracies has variance at most p (1 - p) (reached when a prompt's k samples agree);
+    at k = 1 it is exact.
     """
     key = next(k for k in eval_row if k.startswith("avg@") and "/" not in k)
     rate, prompts = eval_row[key], eval_row["num_prompts"]
     stderr = eval_row.get(f"{key}/stderr")
-    measured = stderr is not None
-    if not measured:
+    # At k = 1 the bound is the binomial standard error itself.
+    measured = stderr is not None or key == "avg@1"
+    if stderr is None:
         stderr = math.sqrt(rate * (1 - rate) / max(prompts, 1))
     return {"rate": rate, "stderr": stderr, "stderr_measured": measured, "metric": key,
             "num_prompts": prompts}  # fmt: skip
@@ -158,7 +160,7 @@ def summarize(run_dir: Path, seconds: float, extra: dict) -> dict:
         "pass_rate_after_stderr": after["stderr"],
         "gain_points": 100 * gain,
         "gain_stderr_points": 100 * math.hypot(before["stderr"], after["stderr"]),
-        "stderr": "measured over prompts" if after["stderr_measured"] else "upper bound",
+        "stderr": "over prompts" if after["stderr_measured"] else "upper bound",
         "eval_metric": after["metric"],
         "eval_prompts": after["num_prompts"],
         "steps": steps,

@@ -24,10 +24,11 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def asset_overrides(root: Path) -> list[str]:
-    """The demo's assets under ``root`` (the full-size task and warm-up)."""
+    """The demo's assets under ``root`` (the full-size task and warm-up); the converted policy
+    goes to root/policy_mcore (policy.load, once the recipe loads it)."""
     return [
-        f"model.path={root}/model", f"policy.load={root}/policy_mcore",
-        f"data.train_path={root}/train.jsonl", f"data.eval_path={root}/eval.jsonl",
+        f"model.path={root}/model", f"data.train_path={root}/train.jsonl",
+        f"data.eval_path={root}/eval.jsonl",
     ]  # fmt: skip
 
 
