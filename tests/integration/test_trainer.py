@@ -67,11 +67,20 @@ def check_step_metrics(rows: dict[int, dict], steps: int) -> None:
 def end_to_end(assets, tmp_path_factory):
     """One full run shared by the tests below: critic pretraining (rollouts saved), two VAPO
     steps, evaluation, HF export; policy TP2, critic PP2 on 2 ranks."""
-    run = tmp_path_factory.mktemp("end_to_end") / "run"
+    root = tmp_path_factory.mktemp("end_to_end")
+    run, policy_ckpt = root / "run", root / "policy_mcore"
+    # The real path: the HF policy converted to a Megatron checkpoint at TP 1, loaded by a TP 2
+    # policy on its own groups (the log-prob gap checked below proves the weights arrived).
+    converted = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "convert.py"), "hf-to-mcore", "--hf",
+         assets["model.path"], "--out", str(policy_ckpt), "--tp", "1"],
+        env=plain_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert converted.returncode == 0, converted.stderr[-3000:]
     run_trainer(
         run, assets, 2, "policy.layout.tp=2", "critic.layout.tp=1", "critic.layout.pp=2",
         "algorithm.value_pretrain_steps=2", "critic_pretrain.min_steps=2", "trainer.steps=2",
-        "eval.max_prompts=8", "critic_pretrain.save_rollouts=true",
+        "eval.max_prompts=8", "critic_pretrain.save_rollouts=true", f"policy.load={policy_ckpt}",
     )  # fmt: skip
     return run
 

@@ -121,6 +121,16 @@ class TestInProcessEngine:
         yield engine
         engine.shutdown()
 
+    def test_seeded_sampling_of_more_prompt_tokens_than_one_scheduler_step(self, engine):
+        """200 prompts x 8 samples of 25 tokens hold 40k prompt tokens, more than one
+        scheduler step; vLLM 0.32's CPU worker crashed seeded sampling when it split a
+        prefill ("CPU Generator does not use offset"). The same seed repeats exactly."""
+        prompt_ids = [[5 + i % 50] * 25 for i in range(200)]
+        first = engine.generate(prompt_ids, n=8, temperature=1.0, max_new_tokens=4, seed=11)
+        again = engine.generate(prompt_ids, n=8, temperature=1.0, max_new_tokens=4, seed=11)
+        assert len(first) == 1600
+        assert [s.response_token_ids for s in first] == [s.response_token_ids for s in again]
+
     def test_greedy_matches_transformers(self, engine, models):
         prompt_ids = prompts()
         got, samples = greedy(engine, prompt_ids)

@@ -73,6 +73,8 @@ class ContextParallelDotProductAttention(MegatronModule):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.cp_group = pg_collection.cp
+        # megatron's default sharded_state_dict reads it (else parallel_state's TP group).
+        self.tp_group = pg_collection.tp
         # apply_query_key_layer_scaling divides the scale by layer_number and the fp16 softmax
         # multiplies it back; with the softmax in fp32 both cancel, so it is left out.
         if softmax_scale is None:

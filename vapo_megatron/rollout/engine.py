@@ -145,6 +145,17 @@ def engine_replica(rank: int, world_size: int, tensor_parallel_size: int) -> tup
     return rank // tensor_parallel_size, rank % tensor_parallel_size
 
 
+def _cpu_scheduling(config: RolloutConfig) -> dict:
+    """vLLM 0.32's CPU worker fails seeded sampling when a prompt's prefill is split over
+    scheduler steps ("CPU Generator does not use offset"): a generate call whose prompts hold
+    more tokens than one step schedules (4096 by default) hits it. Without chunked prefill a
+    prompt is prefilled whole, in a step that holds up to max_num_batched_tokens."""
+    return {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(config.max_model_len, 8192),
+    }
+
+
 class RolloutEngine:
     """vLLM's offline engine with the engine core in this process.
 
@@ -230,6 +241,7 @@ class RolloutEngine:
             logprobs_mode=config.logprobs_mode,
             worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config={"backend": "vapo_inline"},
+            **_cpu_scheduling(config) if self.is_cpu else {},
         )
         self.start_seconds = time.perf_counter() - start
         random.setstate(rng_states[0])
