@@ -7,7 +7,10 @@ temperature 1.0, top_p 0.7). Each engine replica generates for its share of the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import torch
 
 from vapo_megatron.trainer.rollout_phase import RolloutStats, generate_and_grade, sampling_seed
 
@@ -39,8 +42,12 @@ def evaluate(session, step: int, prompts: Sequence | None = None) -> dict[str, f
     k = ev.k
     groups = [trajectories[i : i + k] for i in range(0, len(trajectories), k)]
     accs = [t.acc for t in trajectories]
+    # Standard error of avg@k over prompts: the spread of per-prompt accuracies / sqrt(prompts).
+    per_prompt = torch.tensor([sum(t.acc for t in g) / len(g) for g in groups], dtype=torch.float64)
+    stderr = per_prompt.std().item() / math.sqrt(len(groups)) if len(groups) > 1 else float("nan")
     return {
         f"avg@{k}": sum(accs) / max(len(accs), 1),
+        f"avg@{k}/stderr": stderr,
         f"pass@{k}": sum(any(t.acc > 0 for t in g) for g in groups) / max(len(groups), 1),
         "response_length/mean": sum(len(t.response) for t in trajectories) / max(len(accs), 1),
         "num_prompts": float(len(groups)),

@@ -88,9 +88,12 @@ class MetricsLogger:
             self.tensorboard.flush()
         if self.wandb is not None:
             self.wandb.log({f"{phase}/{k}": v for k, v in metrics.items()}, step=step)
+        keys = CONSOLE_KEYS + tuple(
+            (key, key, "{:.3f}") for key in sorted(metrics) if key.startswith(("avg@", "pass@"))
+        )
         line = f"[{phase} {step}] " + " ".join(
             f"{short}={fmt.format(metrics[key])}"
-            for key, short, fmt in CONSOLE_KEYS
+            for key, short, fmt in keys
             if isinstance(metrics.get(key), (int, float)) and math.isfinite(metrics[key])
         )
         if self.bar is not None:
