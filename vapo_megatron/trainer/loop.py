@@ -152,13 +152,11 @@ def train(config: TrainConfig) -> dict:
     resumed = config.trainer.resume == "auto" and run.resume()
     is_rank0 = session.rank == 0
     _log_start(session, run, resumed)
-    total = config.trainer.steps + (run.stop_rule.max_steps if run.stop_rule else 0)
     metrics_log = MetricsLogger(
         run_dir, total_steps=config.trainer.steps, start_step=run.state["step"],
         tensorboard=config.trainer.tensorboard, wandb_project=config.trainer.wandb_project,
         progress_bar=config.trainer.progress_bar, config=config_to_dict(config), enabled=is_rank0,
     )  # fmt: skip
-    del total
     flag = PreemptionFlag()
     summary: dict = {"resumed": resumed}
     try:
