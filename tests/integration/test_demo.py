@@ -28,7 +28,7 @@ def asset_overrides(root: Path) -> list[str]:
     goes to root/policy_mcore (policy.load, once the recipe loads it)."""
     return [
         f"model.path={root}/model", f"data.train_path={root}/train.jsonl",
-        f"data.eval_path={root}/eval.jsonl",
+        f"data.eval_path={root}/eval.jsonl", f"policy.load={root}/policy_mcore",
     ]  # fmt: skip
 
 
@@ -122,6 +122,7 @@ def test_short_demo_writes_outputs_shows_and_resumes(assets, tmp_path):
     assert resumed["start"] == "resumed" and resumed["resumed"] is True
 
 
+@pytest.mark.slow  # ~2-3 min; the default run keeps the short demo
 def test_ablate_two_presets_one_seed(assets, tmp_path):
     out_dir = tmp_path / "ablate"
     args = ["--only", "vapo,grpo", "--seeds", "1", "--steps", "2", "--out", str(out_dir),
