@@ -46,7 +46,7 @@ from vapo_megatron.trainer.recipe import load_recipe  # noqa: E402
 
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "demo.yaml"
 CONVERT = REPO_ROOT / "tools" / "convert.py"
-ASSETS_STAMP_VERSION = 1
+ASSETS_STAMP_VERSION = 2
 """Bump when what the assets are made of changes, so old ones are rebuilt."""
 
 
@@ -70,7 +70,8 @@ def prepare_assets(config: TrainConfig, *, log=print) -> dict[str, float]:
     stamp_path = model_dir.parent / "demo_assets.json"
     params = {
         "version": ASSETS_STAMP_VERSION, "seed": model.tiny_seed,
-        "warmup_steps": model.tiny_warmup_steps, "num_train": model.tiny_num_train,
+        "warmup_steps": model.tiny_warmup_steps, "slip_rate": model.tiny_slip_rate,
+        "num_train": model.tiny_num_train,
         "num_eval": model.tiny_num_eval, "template": data.template, "data_dir": str(train_path.parent),
         "tp": config.policy.layout.tp, "pp": config.policy.layout.pp, "dtype": config.model.dtype,
     }  # fmt: skip
@@ -90,7 +91,7 @@ def prepare_assets(config: TrainConfig, *, log=print) -> dict[str, float]:
         make_splits(train_path.parent, model.tiny_num_train, model.tiny_num_eval, model.tiny_seed)
         write_tiny_model(
             model_dir, seed=model.tiny_seed, warmup_steps=model.tiny_warmup_steps,
-            train_path=train_path, template=data.template,
+            train_path=train_path, template=data.template, slip_rate=model.tiny_slip_rate,
         )  # fmt: skip
         built["assets_seconds"] = time.perf_counter() - started
         note = f"built in {built['assets_seconds']:.0f} s"

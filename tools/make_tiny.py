@@ -1,6 +1,6 @@
 """Writes the tiny demo's inputs: the synthetic task's splits and a tiny Qwen2 model directory.
 
-    python tools/make_tiny.py OUT_DIR [--seed 0] [--warmup-steps N] [--n-train 2000 --n-eval 200]
+    python tools/make_tiny.py OUT_DIR [--seed 0] [--warmup-steps N] [--slip-rate X] [--n-train 2000 --n-eval 200]
 
 OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (plain rows, graded by DAPO's grader), OUT_DIR/model
 (tokenizer + Qwen2ForCausalLM, a complete HF directory). Prints one JSON line: paths, sizes,
@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-STAMP_VERSION = 1
+STAMP_VERSION = 2
 """Bump when the task, tokenizer or model changes, so old outputs are rebuilt."""
 
 
@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument(
+        "--slip-rate", type=float, default=0.0, help="warm-up lines that slip (0 <= x < 1)"
+    )
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-eval", type=int, default=200)
     parser.add_argument("--template", choices=("dapo", "raw"), default="dapo")
@@ -57,6 +60,7 @@ def main() -> None:
         warmup_steps=args.warmup_steps,
         train_path=train_path,
         template=args.template,
+        slip_rate=args.slip_rate,
     )
     result = {
         "model": str(model_dir),

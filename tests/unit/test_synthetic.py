@@ -12,30 +12,33 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vapo_megatron.data.synthetic import (
-    CHAIN_PREFIX,
     MAX_TERMS,
+    MAX_VALUE,
     MIN_TERMS,
-    SUM_PREFIX,
+    PREFIX,
     make_problem,
     make_rows,
     make_splits,
+    parse,
     read_rows,
+    solve,
+    worked_solution,
 )
 from vapo_megatron.data.templates import dapo_instruction
 from vapo_megatron.data.tiny_model import pass_rate, train_tokenizer, write_tiny_model
 from vapo_megatron.rewards.dapo_math import grade
 
 pytestmark = pytest.mark.unit
+LINE = re.compile(r"([a-j]):(\d+)([-+*])(\d+)=(\d+)")
 
 
 def left_to_right(prompt: str) -> int:
     """The prompt's value, read independently of the generator: operations left to right."""
-    if prompt.startswith(SUM_PREFIX):
-        return sum(int(x) for x in prompt[len(SUM_PREFIX) :].split())
-    tokens = re.findall(r"\d+|[-+*]", prompt[len(CHAIN_PREFIX) :])
-    value = int(tokens[0])
-    for op, x in zip(tokens[1::2], tokens[2::2], strict=True):
-        value = {"+": value + int(x), "-": value - int(x), "*": value * int(x)}[op]
+    terms = prompt[len(PREFIX) :].split()
+    value = int(terms[0].split("=")[1])
+    for term in terms[1:]:
+        op, x = term[2], int(term[3:])
+        value = {"+": value + x, "-": value - x, "*": value * x}[op]
     return value
 
 
@@ -44,36 +47,83 @@ def problems(n: int, seed: int = 0) -> list[tuple[str, str, str]]:
     return [make_problem(rng) for _ in range(n)]
 
 
+def check_lines(prompt: str, solution: str) -> list[bool]:
+    """Per line: does it apply the prompt's next term to the previous line's result exactly?
+
+    Asserts the lines name the terms in order and start from the previous line's result.
+    """
+    operands, ops = parse(prompt)
+    *steps, last = solution.split("\n")
+    assert len(steps) == len(ops)
+    value, exact = operands[0], []
+    for i, step in enumerate(steps):
+        letter, a, op, b, result = LINE.fullmatch(step).groups()
+        assert letter == "abcdefghij"[i + 1] and int(a) == value
+        assert (op, int(b)) == (ops[i], operands[i + 1])
+        value = int(result)
+        exact.append(
+            value == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        )
+    assert last == f"Answer: {value}"
+    return exact
+
+
 def test_solutions_end_in_the_right_answer():
     for prompt, answer, solution in problems(500):
         assert answer == str(left_to_right(prompt))
-        *steps, last = solution.split("\n")
-        assert last == f"Answer: {answer}"
+        assert all(check_lines(prompt, solution))
         assert grade(solution, answer).acc == 1.0
-        # Each step applies one operation to the previous step's result.
-        previous = None
-        for step in steps:
-            lhs, rhs = step.split("=")
-            a, op, b = re.fullmatch(r"(-?\d+)([-+*])(\d+)", lhs).groups()
-            assert previous is None or int(a) == previous
-            previous = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
-            assert int(rhs) == previous
-        assert str(previous) == answer
+        assert solve(prompt) == (answer, solution)
+        operands, ops = parse(prompt)
+        partial = operands[0]
+        for op, x in zip(ops, operands[1:], strict=True):
+            partial = {"+": partial + x, "-": partial - x, "*": partial * x}[op]
+            assert 0 <= partial <= MAX_VALUE
     # A wrong final line is graded wrong: the check above could fail.
-    assert grade("1+1=2\nAnswer: 3", "2").acc == 0.0
+    assert grade("b:1+1=2\nAnswer: 3", "2").acc == 0.0
 
 
-def test_lengths_vary_widely_and_both_kinds_occur():
+def test_slips_are_drawn_at_the_rate_and_carried_on():
+    rng = random.Random(5)
+    drawn = problems(2000)
+    lines = slipped = wrong = 0
+    for prompt, answer, _ in drawn:
+        slip_answer, solution = worked_solution(*parse(prompt), slip_rate=0.2, rng=rng)
+        exact = check_lines(prompt, solution)  # the chain goes on from the slipped result
+        lines, slipped = lines + len(exact), slipped + exact.count(False)
+        wrong += slip_answer != answer
+        for step in solution.split("\n")[:-1]:
+            assert 0 <= int(step.split("=")[1]) <= MAX_VALUE
+        if all(exact):
+            assert slip_answer == answer
+    assert abs(slipped / lines - 0.2) < 0.02
+    assert 0.3 < wrong / len(drawn) < 0.8
+    # No rate, no slips; a rate needs an rng; the rate is checked.
+    prompt = drawn[0][0]
+    assert worked_solution(*parse(prompt)) == solve(prompt)
+    with pytest.raises(ValueError, match="rng"):
+        worked_solution(*parse(prompt), slip_rate=0.1)
+    with pytest.raises(ValueError, match="slip_rate"):
+        worked_solution(*parse(prompt), slip_rate=1.0, rng=rng)
+
+
+def test_parse_refuses_other_text():
+    for bad in ["Add the numbers: 1 2", PREFIX + "a=1", PREFIX + "a=1 c=+2", PREFIX + "a=+1 b=+2",
+                PREFIX + "a=1 b=2", PREFIX + "a=1  b=+2"]:  # fmt: skip
+        with pytest.raises(ValueError, match="not a synthetic problem"):
+            parse(bad)
+
+
+def test_lengths_vary_widely():
     drawn = problems(1000)
     num_lines = {solution.count("\n") for _, _, solution in drawn}
     assert num_lines == set(range(MIN_TERMS - 1, MAX_TERMS))
     chars = [len(solution) for _, _, solution in drawn]
-    assert max(chars) > 6 * min(chars)
-    kinds = {prompt.split(":")[0] for prompt, _, _ in drawn}
-    assert kinds == {SUM_PREFIX.split(":")[0], CHAIN_PREFIX.split(":")[0]}
-    # A small alphabet: letters only from the fixed words.
+    assert max(chars) > 4 * min(chars)
+    assert {op for prompt, _, _ in drawn for op in parse(prompt)[1]} == {"+", "-", "*"}
+    # A small alphabet: letters a..j and the fixed words.
     alphabet = set("".join(p + s for p, _, s in drawn))
-    assert alphabet <= set("0123456789+-*= \n:") | set(SUM_PREFIX + CHAIN_PREFIX + "Answer")
+    assert alphabet <= set("0123456789+-*= \n:abcdefghij") | set(PREFIX + "Answer")
 
 
 def test_splits_are_disjoint_and_deterministic(tmp_path):
@@ -98,7 +148,7 @@ def test_splits_are_disjoint_and_deterministic(tmp_path):
 
 
 def test_exhausted_problem_space_is_an_error():
-    # 2-operand sums and chains number at most 9*9*4; far fewer rows than asked exist.
+    # 2-term problems number at most 9*9*3; far fewer rows than asked exist.
     with pytest.raises(ValueError, match="distinct problems"):
         make_rows(10, seed=0, exclude={p for p, _, _ in problems(20000)})
 
@@ -120,9 +170,12 @@ def test_tokenizer_round_trips_and_is_deterministic():
         len(tokenizer(dapo_instruction(problem))["input_ids"])
         == len(tokenizer(problem)["input_ids"]) + 2
     )
-    # Numbers and words are merged: far fewer tokens than characters.
-    solution = held_out[0][2]
-    assert len(tokenizer(solution)["input_ids"]) < 0.75 * len(solution)
+    # Trained on as many problems as the tiny model's (2000), every number is one token, so every
+    # worked line is the same 8 tokens: letter, ':', number, operation, number, '=', number, '\n'.
+    tokenizer = train_tokenizer([text for p, _, s in problems(2000) for text in (p, s)])
+    for _, _, solution in held_out:
+        for line in solution.split("\n")[:-1]:
+            assert len(tokenizer(line + "\n")["input_ids"]) == 8, line
 
 
 def test_model_dir_loads_and_generates(tmp_path):
@@ -140,25 +193,31 @@ def test_model_dir_loads_and_generates(tmp_path):
     assert config.vocab_size == len(tokenizer) and not config.tie_word_embeddings
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id
     assert (path / "model.safetensors").exists()
-    prompt = tokenizer(dapo_instruction("Add the numbers: 1 2"), return_tensors="pt")
+    problem = PREFIX + "a=1 b=+2"
+    prompt = tokenizer(dapo_instruction(problem), return_tensors="pt")
     # The saved tokenizer keeps DAPO's instruction as one token each side.
-    assert prompt["input_ids"].shape[1] == len(tokenizer("Add the numbers: 1 2")["input_ids"]) + 2
+    assert prompt["input_ids"].shape[1] == len(tokenizer(problem)["input_ids"]) + 2
     output = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert output.shape[1] > prompt["input_ids"].shape[1]
     assert isinstance(tokenizer.decode(output[0]), str)
 
 
 def test_weights_depend_only_on_the_seed_warm_up_included(tmp_path):
-    def weights(name, seed, steps):
-        path = write_tiny_model(tmp_path / name, seed=seed, warmup_steps=steps)
+    def weights(name, seed, steps, slip_rate=0.0):
+        path = write_tiny_model(tmp_path / name, seed=seed, warmup_steps=steps, slip_rate=slip_rate)
         return load_file(path / "model.safetensors")
 
     init = weights("init", 0, 0)
     warm = weights("warm", 0, 2)
     warm_again = weights("warm_again", 0, 2)
     other = weights("other", 1, 0)
+    slipped, slipped_again = weights("slip", 0, 3, 0.5), weights("slip_again", 0, 3, 0.5)
     assert warm.keys() == warm_again.keys() == init.keys()
     assert all(torch.equal(warm[k], warm_again[k]) for k in warm)
+    assert all(torch.equal(slipped[k], slipped_again[k]) for k in warm)
+    assert not torch.equal(slipped["lm_head.weight"], weights("clean3", 0, 3)["lm_head.weight"])
+    with pytest.raises(ValueError, match="slip_rate"):
+        write_tiny_model(tmp_path / "bad", seed=0, slip_rate=-0.1)
     assert not torch.equal(warm["model.embed_tokens.weight"], init["model.embed_tokens.weight"])
     assert not torch.equal(other["lm_head.weight"], init["lm_head.weight"])
 
@@ -176,7 +235,7 @@ class AnswersEveryOtherRow:
         responses = []
         for _ in range(input_ids.shape[0]):
             row = self.rows[self.calls]
-            text = f"1+1=2\nAnswer: {row['answer'] if self.calls % 2 == 0 else 'x'}"
+            text = f"b:1+1=2\nAnswer: {row['answer'] if self.calls % 2 == 0 else 'x'}"
             responses.append(self.tokenizer(text)["input_ids"] + [eos_token_id])
             self.calls += 1
         width = max(map(len, responses))

@@ -1,16 +1,25 @@
 """A synthetic verifiable reasoning task: arithmetic chains whose worked solutions vary in length.
 
-Two kinds of problem, each over 2 to ``MAX_TERMS`` operands from 1 to 9:
+A problem is a chain of 2 to ``MAX_TERMS`` terms, each named by a letter and evaluated left to
+right (no precedence), e.g. "Evaluate left to right: a=7 b=-1 c=*5 d=+9". The worked solution
+applies one term a line, naming it, and ends with the line DAPO's grader reads::
 
-- ``sum``: "Add the numbers: 3 5 8 2", solved as running sums.
-- ``chain``: "Evaluate left to right: 3+5*2-4" (no precedence), solved one operation a line.
+    b:7-1=6
+    c:6*5=30
+    d:30+9=39
+    Answer: 39
 
-The solution writes each partial result on its own line and ends with the line DAPO's grader
-reads, e.g. ``"3+5=8\\n8*2=16\\n16-4=12\\nAnswer: 12"``; the ground truth is the plain integer
-string (``"12"``). A ``*`` is only drawn when the product stays within ``MAX_ABS_VALUE``, so
-numbers stay short and the alphabet is digits, ``+ - * =``, space, newline and a few words.
-One operation a line makes the length of the reasoning grow with the number of operands: a
-2-operand problem is solved in one line, a 12-operand one in eleven.
+The ground truth is the plain integer string (``"39"``). Operands run from 1 to 9 and an
+operation is only drawn when the partial result stays within 0..``MAX_VALUE``, so every number
+is one token of the tiny tokenizer and every line has the same shape. The letters make the
+next operand a lookup by name rather than by position ("which is the sixth number?"), which a
+two-layer model learns; the arithmetic of each line is what it has to get right. One term a
+line makes the reasoning grow with the chain: 2 terms are solved in one line, 10 in nine.
+
+``worked_solution(..., slip_rate=)`` writes solutions with slips: a line whose result is off
+by 1 or 2, carried on to the end (so the answer is wrong). The tiny model's warm-up
+(``tiny_model.warm_up``) learns from such solutions, so the policy RL starts from knows the
+arithmetic but slips now and then, as a pretrained model carries the mistakes of its data.
 
 Rows are written in the plain prompt schema ``{"prompt", "answer", "data_source"}`` with
 ``data_source`` "math_dapo", so DAPO's grader scores the responses.
@@ -21,21 +30,25 @@ from __future__ import annotations
 import json
 import random
 import re
+import string
 from collections.abc import Collection
 from pathlib import Path
 
 MIN_TERMS = 2
-"""Fewest operands of a problem (one solution line)."""
-MAX_TERMS = 12
-"""Most operands of a problem (eleven solution lines)."""
+"""Fewest terms of a problem (one solution line)."""
+MAX_TERMS = 10
+"""Most terms of a problem (nine solution lines); letters a..j name them."""
 MAX_OPERAND = 9
 """Operands are drawn from 1..MAX_OPERAND."""
-MAX_ABS_VALUE = 99
-"""A chain's '*' is only drawn when the partial result stays within +-MAX_ABS_VALUE."""
+MAX_VALUE = 99
+"""Every partial result stays within 0..MAX_VALUE: an operation that would leave it is not drawn."""
 DATA_SOURCE = "math_dapo"
 """The rows' data_source: the grader that scores them."""
-SUM_PREFIX = "Add the numbers: "
-CHAIN_PREFIX = "Evaluate left to right: "
+PREFIX = "Evaluate left to right: "
+SLIPS = (-2, -1, 1, 2)
+"""How far a slipped line's result is off."""
+_LETTERS = string.ascii_lowercase[:MAX_TERMS]
+_TERM = re.compile(r"([a-z])=([-+*]?)(\d+)")
 _MAX_DRAWS_PER_ROW = 100
 
 
@@ -43,22 +56,18 @@ def make_problem(rng: random.Random) -> tuple[str, str, str]:
     """One problem drawn with ``rng``: (prompt text, answer string, solution text)."""
     num_terms = rng.randint(MIN_TERMS, MAX_TERMS)
     operands = [rng.randint(1, MAX_OPERAND) for _ in range(num_terms)]
-    if rng.random() < 0.5:
-        ops = ["+"] * (num_terms - 1)
-        prompt = SUM_PREFIX + " ".join(map(str, operands))
-    else:
-        ops = []
-        value = operands[0]
-        for operand in operands[1:]:
-            allowed = ["+", "-"] + (["*"] if abs(value * operand) <= MAX_ABS_VALUE else [])
-            ops.append(rng.choice(allowed))
-            value = _apply(value, ops[-1], operand)
-        expression = str(operands[0]) + "".join(
-            f"{op}{x}" for op, x in zip(ops, operands[1:], strict=True)
-        )
-        prompt = CHAIN_PREFIX + expression
-    answer, solution = _worked_solution(operands, ops)
-    return prompt, answer, solution
+    ops: list[str] = []
+    value = operands[0]
+    for operand in operands[1:]:
+        allowed = [op for op in "+-*" if 0 <= _apply(value, op, operand) <= MAX_VALUE]
+        ops.append(rng.choice(allowed))
+        value = _apply(value, ops[-1], operand)
+    terms = [f"a={operands[0]}"] + [
+        f"{letter}={op}{x}"
+        for letter, op, x in zip(_LETTERS[1:num_terms], ops, operands[1:], strict=True)
+    ]
+    answer, solution = worked_solution(operands, ops)
+    return PREFIX + " ".join(terms), answer, solution
 
 
 def make_rows(n: int, seed: int, *, exclude: Collection[str] = ()) -> list[dict[str, str]]:
@@ -113,18 +122,56 @@ def make_splits(out_dir: str | Path, n_train: int, n_eval: int, seed: int) -> tu
     return train_path, eval_path
 
 
+def parse(prompt: str) -> tuple[list[int], list[str]]:
+    """(operands, operations) of a prompt written by make_problem, read from its text."""
+    if not prompt.startswith(PREFIX):
+        raise ValueError(f"not a synthetic problem: {prompt!r}")
+    terms = prompt[len(PREFIX) :].split(" ")
+    matches = [_TERM.fullmatch(term) for term in terms]
+    letters = "".join(m[1] if m else "?" for m in matches)
+    if (
+        not MIN_TERMS <= len(terms) <= MAX_TERMS
+        or letters != _LETTERS[: len(terms)]
+        or matches[0][2]
+        or not all(m[2] for m in matches[1:])
+    ):
+        raise ValueError(f"not a synthetic problem: {prompt!r}")
+    return [int(m[3]) for m in matches], [m[2] for m in matches[1:]]
+
+
 def solve(prompt: str) -> tuple[str, str]:
     """(answer, solution) of a prompt written by make_problem, recomputed from its text."""
-    if prompt.startswith(SUM_PREFIX):
-        operands = [int(x) for x in prompt[len(SUM_PREFIX) :].split()]
-        ops = ["+"] * (len(operands) - 1)
-    elif prompt.startswith(CHAIN_PREFIX):
-        tokens = re.findall(r"\d+|[-+*]", prompt[len(CHAIN_PREFIX) :])
-        operands = [int(x) for x in tokens[::2]]
-        ops = tokens[1::2]
-    else:
-        raise ValueError(f"not a synthetic problem: {prompt!r}")
-    return _worked_solution(operands, ops)
+    return worked_solution(*parse(prompt))
+
+
+def worked_solution(
+    operands: list[int],
+    ops: list[str],
+    *,
+    slip_rate: float = 0.0,
+    rng: random.Random | None = None,
+) -> tuple[str, str]:
+    """(answer, solution): one line per term, then the answer line.
+
+    With ``slip_rate`` > 0 each line's result is, with that probability (drawn from ``rng``),
+    off by one of ``SLIPS`` (one from which the rest of the chain stays within 0..MAX_VALUE),
+    and the next lines go on from it: the returned answer is then the slipped chain's.
+    """
+    if not 0.0 <= slip_rate < 1.0:
+        raise ValueError(f"slip_rate must be in [0, 1), got {slip_rate}")
+    if slip_rate > 0 and rng is None:
+        raise ValueError("slip_rate > 0 needs an rng to draw the slips from")
+    lines = []
+    value = operands[0]
+    terms = list(zip(_LETTERS[1 : len(operands)], ops, operands[1:], strict=True))
+    for i, (letter, op, operand) in enumerate(terms):
+        result = _apply(value, op, operand)
+        if slip_rate > 0 and rng.random() < slip_rate:
+            result = _slip(result, terms[i + 1 :], rng)
+        lines.append(f"{letter}:{value}{op}{operand}={result}")
+        value = result
+    lines.append(f"Answer: {value}")
+    return str(value), "\n".join(lines)
 
 
 def read_rows(path: str | Path) -> list[dict[str, str]]:
@@ -133,16 +180,22 @@ def read_rows(path: str | Path) -> list[dict[str, str]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _worked_solution(operands: list[int], ops: list[str]) -> tuple[str, str]:
-    """(answer, solution): one line per operation, then the answer line."""
-    lines = []
-    value = operands[0]
-    for op, operand in zip(ops, operands[1:], strict=True):
-        result = _apply(value, op, operand)
-        lines.append(f"{value}{op}{operand}={result}")
-        value = result
-    lines.append(f"Answer: {value}")
-    return str(value), "\n".join(lines)
+def _slip(result: int, rest: list[tuple[str, str, int]], rng: random.Random) -> int:
+    """A wrong result near ``result`` from which the ``rest`` of the chain stays in range.
+
+    ``result`` itself when no slip keeps every later partial result within 0..MAX_VALUE
+    (rare: a chain that runs along a bound), so numbers stay single tokens.
+    """
+    wrong = [result + d for d in SLIPS if _stays_in_range(result + d, rest)]
+    return rng.choice(wrong) if wrong else result
+
+
+def _stays_in_range(value: int, rest: list[tuple[str, str, int]]) -> bool:
+    for _, op, operand in [("", "+", 0), *rest]:
+        value = _apply(value, op, operand)
+        if not 0 <= value <= MAX_VALUE:
+            return False
+    return True
 
 
 def _apply(value: int, op: str, operand: int) -> int:

@@ -30,7 +30,14 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from vapo_megatron.data.prompts import PromptRecord
-from vapo_megatron.data.synthetic import DATA_SOURCE, make_rows, read_rows, solve
+from vapo_megatron.data.synthetic import (
+    DATA_SOURCE,
+    make_rows,
+    parse,
+    read_rows,
+    solve,
+    worked_solution,
+)
 from vapo_megatron.data.templates import DAPO_PREFIX, DAPO_SUFFIX, encode_prompt
 from vapo_megatron.rewards.dapo_math import grade
 
@@ -110,15 +117,19 @@ def write_tiny_model(
     warmup_steps: int = 0,
     train_path: str | Path | None = None,
     template: str = "dapo",
+    slip_rate: float = 0.0,
 ) -> Path:
     """Writes tokenizer + Qwen2 policy (+ warm-up) to ``out_dir``; returns ``out_dir``.
 
     The tokenizer's corpus and the warm-up data are the rows of ``train_path`` (a plain JSONL
     split from ``synthetic.write_split``), or rows drawn from ``seed`` when it is None.
     ``template`` is how prompts are encoded in the warm-up; it must be the one the RL run uses.
+    ``slip_rate``: the warm-up's solutions slip at that rate a line (``warm_up``).
     """
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if not 0.0 <= slip_rate < 1.0:
+        raise ValueError(f"slip_rate must be in [0, 1), got {slip_rate}")
     if template not in WARMUP_TEMPLATES:
         raise ValueError(
             f"template {template!r} cannot be used: the tiny tokenizer has no chat template; "
@@ -129,7 +140,10 @@ def write_tiny_model(
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(tiny_qwen2_config(tokenizer))
     if warmup_steps > 0:
-        warm_up(model, tokenizer, rows, steps=warmup_steps, seed=seed, template=template)
+        warm_up(
+            model, tokenizer, rows, steps=warmup_steps, seed=seed, template=template,
+            slip_rate=slip_rate,
+        )  # fmt: skip
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
@@ -150,14 +164,23 @@ def warm_up(
     template: str = "dapo",
     batch_size: int = 16,
     lr: float = 3e-3,
+    slip_rate: float = 0.0,
 ) -> dict[str, float]:
     """Supervised warm-up on (prompt, worked solution + eos); returns the last loss and seconds.
 
+    With ``slip_rate`` > 0 each use of a problem draws its solution's slips afresh
+    (``synthetic.worked_solution``): the model learns the arithmetic and also to slip at about
+    that rate a line, which sampling at temperature 1 then does and RL can remove.
     AdamW with a short linear ramp and cosine decay; batches of similar lengths are drawn in a
     seeded order, one epoch after another. Runs on one thread for bit-identical weights.
     """
-    examples = [_sft_example(row, tokenizer, template) for row in rows]
-    order_rng = random.Random(seed)
+    prompts = [_prompt_ids(row, tokenizer, template) for row in rows]
+    problems = [parse(row["prompt"]) for row in rows]
+    lengths = [
+        len(prompt) + len(_response_ids(problem, tokenizer))
+        for prompt, problem in zip(prompts, problems, strict=True)
+    ]
+    order_rng, slip_rng = random.Random(seed), random.Random(seed + 1)
     batches: list[list[int]] = []
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     ramp = max(1, steps // 20)
@@ -174,8 +197,11 @@ def warm_up(
     try:
         for _ in range(steps):
             if not batches:
-                batches = _length_bucketed_batches(examples, batch_size, order_rng)
-            batch = [examples[i] for i in batches.pop()]
+                batches = _length_bucketed_batches(lengths, batch_size, order_rng)
+            batch = [
+                (prompts[i], _response_ids(problems[i], tokenizer, slip_rate, slip_rng))
+                for i in batches.pop()
+            ]
             input_ids, labels, attention_mask = _collate(batch, tokenizer.pad_token_id)
             loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
             optimizer.zero_grad(set_to_none=True)
@@ -256,29 +282,33 @@ def _prompt_ids(
     return encode_prompt(_record(row), tokenizer, template)
 
 
-def _sft_example(
-    row: dict[str, str], tokenizer: PreTrainedTokenizerFast, template: str
-) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids): the response is the worked solution then eos."""
-    solution = solve(row["prompt"])[1]
+def _response_ids(
+    problem: tuple[list[int], list[str]],
+    tokenizer: PreTrainedTokenizerFast,
+    slip_rate: float = 0.0,
+    rng: random.Random | None = None,
+) -> list[int]:
+    """The worked solution (with slips drawn from ``rng`` at ``slip_rate``), then eos."""
+    solution = worked_solution(*problem, slip_rate=slip_rate, rng=rng)[1]
     response = tokenizer(solution, add_special_tokens=False)["input_ids"]
-    return _prompt_ids(row, tokenizer, template), [*response, tokenizer.eos_token_id]
+    return [*response, tokenizer.eos_token_id]
 
 
 def _length_bucketed_batches(
-    examples: Sequence[tuple[list[int], list[int]]], batch_size: int, rng: random.Random
+    lengths: Sequence[int], batch_size: int, rng: random.Random
 ) -> list[list[int]]:
     """One epoch of batches (example indices), in an order drawn from ``rng``.
 
-    Batches are cut from runs of 8 batches' worth of shuffled examples sorted by length, which
-    cuts the padding (solutions run from ~6 to ~60 tokens) by about half.
+    Batches are cut from runs of 8 batches' worth of shuffled examples sorted by ``lengths``
+    (tokens of prompt and solution), which cuts the padding (solutions run from ~10 to ~80
+    tokens) by about half.
     """
-    order = list(range(len(examples)))
+    order = list(range(len(lengths)))
     rng.shuffle(order)
     run = 8 * batch_size
     batches = []
     for begin in range(0, len(order), run):
-        chunk = sorted(order[begin : begin + run], key=lambda i: sum(map(len, examples[i])))
+        chunk = sorted(order[begin : begin + run], key=lengths.__getitem__)
         batches.extend(chunk[b : b + batch_size] for b in range(0, len(chunk), batch_size))
     rng.shuffle(batches)
     return batches
