@@ -5,14 +5,20 @@ vLLM engines inside the job (external_launcher): at vLLM TP=1 one replica per ra
 TP=2 one replica over both ranks. The sync (TP gather -> HF tensors -> buckets -> engine) runs
 on both ranks at once. From the same run, best of 3 each:
 
-- transport: the same bytes through the same collectives (every TP-split Megatron tensor
-  all-gathered over the TP group into preallocated buffers, in the stream's order), nothing
-  else: the floor for any sync on this machine;
-- stream: the weight stream alone (gathers + the record's conversion to HF tensors);
+- transport: the same bytes through the same collectives (the stream's own all-gathers, one
+  ``all_gather_into_tensor`` per TP-split Megatron tensor, in the stream's order, into
+  preallocated buffers), nothing else: the floor for any sync on this machine;
+- stream: the weight stream alone (gathers + conversion to HF tensors);
 - engine: the engine's load alone, from HF tensors already in memory;
-- sync: the end-to-end ``update_weights(stream)``, split into the time inside the engine's
-  loaders and the rest (the stream);
+- sync: the end-to-end ``update_weights(stream, bucket_bytes)`` with the stream produced one
+  message ahead in a thread (the default), split into the time inside the engine's loaders
+  and the time the loads waited for the stream; and the same sync without prefetch (serial);
 - memcpy: ``Tensor.copy_`` of the model's HF tensors (the same bytes) on both ranks at once.
+
+Each timed path also reports the CPU time of the rank's process (all its threads) over the
+wall time: near 1.0 a rank's core was busy throughout (1 thread per rank on 2 cores), and
+overlap cannot gain. Peak extra memory of a sync per rank: VmHWM during one sync minus VmRSS
+before it, in bytes and in buckets (``bucket_bytes``, the bound on weight bytes in flight).
 
 ``fraction_of_transport = transport_seconds / sync_seconds`` is our overhead over the
 transport (target >= 0.8); ``fraction_of_memcpy = memcpy_seconds / sync_seconds``. The
@@ -46,37 +52,41 @@ H100_TP = 8  # Megatron TP = vLLM TP = 8: one engine replica per node
 
 
 def best_of(fn, repeats: int = 3):
-    """(seconds, result) of the fastest of ``repeats`` runs, every rank timed between barriers."""
+    """(seconds, result, cpu share) of the fastest of ``repeats`` runs, every rank timed between
+    barriers; cpu share: this process's CPU seconds (all threads) over the wall seconds."""
     best = None
     for _ in range(repeats):
         torch.distributed.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = fn()
-        torch.distributed.barrier()
+        cpu = time.process_time() - cpu
         seconds = time.perf_counter() - start
+        torch.distributed.barrier()
         if best is None or seconds < best[0]:
-            best = (seconds, result)
+            best = (seconds, result, cpu / seconds)
     return best
 
 
 def transport_plan(engine, tp_group):
-    """(local shard, gather buffers) of every TP-split tensor the stream gathers, in its order."""
+    """(local shard, gather buffer) of every tensor the stream all-gathers, in its order."""
     import torch.distributed as dist
-    from megatron.core.utils import unwrap_model
 
-    from vapo_megatron.models.hf_weights import model_chunks_of_rank
-    from vapo_megatron.models.record import Split
+    from vapo_megatron.models.hf_weights import needs_gather, tp_gathers
 
     tp = dist.get_world_size(tp_group)
     plan = []
-    for model, chunk in zip(engine.chunks, model_chunks_of_rank(engine.config, 0), strict=True):
-        params = dict(unwrap_model(model).named_parameters())
-        for name, m in engine.record.tensor_maps(chunk).items():
-            if m.tied_copy or m.split is Split.REPLICATED:
-                continue
-            local = params[name].detach().contiguous()
-            plan.append((local, [torch.empty_like(local) for _ in range(tp)]))
+    for _, m, local, _ in tp_gathers(engine.chunks, engine.record, engine.config, pp_rank=0):
+        if needs_gather(m, tp):
+            local = local.contiguous()
+            plan.append((local, local.new_empty((tp * local.shape[0], *local.shape[1:]))))
     return plan
+
+
+def sync_peak(rollout, sync) -> int:
+    """Peak extra resident memory of this rank over one ``sync()``, in bytes."""
+    rss_before = rollout.reset_peak_memory()[0]
+    sync()
+    return rollout.peak_memory()[0] - rss_before
 
 
 def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
@@ -85,6 +95,7 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from vapo_megatron.models.config import HFModelConfig
+    from vapo_megatron.models.hf_weights import GatherBuffers
     from vapo_megatron.models.provider import ModelLayout
     from vapo_megatron.parallel.cpu_shim import initialize_megatron_cpu
     from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
@@ -113,37 +124,59 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
     start_s = time.perf_counter() - start
     tp_group = ps.get_tensor_model_parallel_group()
 
-    def stream():
+    def stream(buffers=None):
         return stream_policy_weights(
             engine.chunks, engine.record, engine.config, tp_group=tp_group,
             pp_group=ps.get_pipeline_model_parallel_group(), bucket_bytes=BUCKET_BYTES,
+            buffers=buffers,
         )  # fmt: skip
 
     plan = transport_plan(engine, tp_group)
-    transport_bytes = sum(local.numel() * local.element_size() for local, _ in plan) * 2
+    transport_bytes = sum(full.numel() * full.element_size() for _, full in plan)
 
     def transport():
-        for local, shards in plan:
-            dist.all_gather(shards, local, group=tp_group)
+        for local, full in plan:
+            dist.all_gather_into_tensor(full, local, group=tp_group)
+
+    def sync(prefetch=True, buffers=None):
+        return rollout.update_weights(
+            (t for b in stream(buffers) for t in b), bucket_bytes=BUCKET_BYTES, prefetch=prefetch
+        )
+
+    kept = GatherBuffers(limit_bytes=BUCKET_BYTES)  # warm buffers kept from one sync to the next
 
     targets = {k: torch.empty_like(v) for k, v in state.items()}
-    memcpy_s, _ = best_of(lambda: [targets[k].copy_(v) for k, v in state.items()])
-    transport_s, _ = best_of(transport)
-    stream_s, _ = best_of(lambda: [None for _ in stream()])
-    engine_s, _ = best_of(lambda: rollout.update_weights(state.items(), bucket_bytes=BUCKET_BYTES))
-    rss_before = rollout.reset_peak_memory()[0]
-    sync_s, stats = best_of(lambda: rollout.update_weights(t for b in stream() for t in b))
-    peak_extra = rollout.peak_memory()[0] - rss_before
+    timed = {
+        "memcpy": best_of(lambda: [targets[k].copy_(v) for k, v in state.items()]),
+        "transport": best_of(transport),
+        "stream": best_of(lambda: [None for _ in stream()]),
+        "engine": best_of(lambda: rollout.update_weights(state.items(), bucket_bytes=BUCKET_BYTES)),
+        "serial": best_of(lambda: sync(prefetch=False)),
+        "sync": best_of(sync),
+        "sync_kept": best_of(lambda: sync(buffers=kept)),
+    }
+    targets.clear()
+    peak_extra = max(sync_peak(rollout, sync) for _ in range(3))
+    peak_kept = max(sync_peak(rollout, lambda: sync(buffers=kept)) for _ in range(3))
+    stats = timed["sync"][1]
     # The synced engine must hold the Megatron weights: it generates after the sync.
     rollout.generate([[1, 2, 3]], n=1, temperature=0.0, max_new_tokens=2)
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak_extra)
+    per_rank = [None] * dist.get_world_size()
+    mine = dict(
+        peak=peak_extra, peak_kept=peak_kept, kept=kept.nbytes(),
+        cpu={k: v[2] for k, v in timed.items()},
+    )  # fmt: skip
+    dist.all_gather_object(per_rank, mine)
     if dist.get_rank() == 0:
         result = dict(
             engine_tp=engine_tp, bytes=total_bytes, transport_bytes=transport_bytes,
-            start_s=start_s, memcpy_s=memcpy_s, transport_s=transport_s, stream_s=stream_s,
-            engine_s=engine_s, sync_s=sync_s, sync_load_s=stats.load_seconds,
-            num_buckets=stats.num_buckets, peak_extra_bytes=peaks,
+            start_s=start_s, bucket_bytes=BUCKET_BYTES, num_buckets=stats.num_buckets,
+            sync_load_s=stats.load_seconds, sync_wait_s=stats.wait_seconds,
+            peak_extra_bytes=[r["peak"] for r in per_rank], cpu=[r["cpu"] for r in per_rank],
+            peak_kept_bytes=[r["peak_kept"] for r in per_rank],
+            kept_bytes=[r["kept"] for r in per_rank],
+            load_average=os.getloadavg()[0],
+            **{f"{k}_s": v[0] for k, v in timed.items()},
         )  # fmt: skip
         print("RESULT " + json.dumps(result))
     dist.barrier()
@@ -170,26 +203,44 @@ def report(r: dict) -> None:
     topology = "one replica per rank" if tp == 1 else f"one replica over {tp} ranks"
     print(
         f"\nvLLM TP={tp} ({topology}, external_launcher, up in {r['start_s']:.1f} s): "
-        f"{gb * 1e3:.0f} MB fp32 from Megatron TP=2, {r['num_buckets']} buckets of "
-        f"{BUCKET_BYTES >> 20} MB, both ranks at once"
+        f"{gb * 1e3:.0f} MB fp32 from Megatron TP=2, bucket {BUCKET_BYTES >> 20} MB "
+        f"({r['num_buckets']} messages), both ranks at once"
     )
-    print(f"{'path':>40} {'seconds':>8} {'GB/s':>7} {'of memcpy':>10} {'of sync':>8}")
+    print(
+        f"{'path':>42} {'seconds':>8} {'GB/s':>7} {'of memcpy':>10} {'of sync':>8} "
+        f"{'CPU/wall per rank':>18}"
+    )
     rows = [
-        ("memcpy of the same bytes", r["memcpy_s"]),
-        (f"transport ({r['transport_bytes'] / 1e6:.0f} MB all-gathered/rank)", r["transport_s"]),
-        ("stream alone (gather + record)", r["stream_s"]),
-        ("engine load alone (HF tensors)", r["engine_s"]),
-        ("sync end to end", r["sync_s"]),
-        ("  of which inside the engine's loaders", r["sync_load_s"]),
-        ("  of which the stream", r["sync_s"] - r["sync_load_s"]),
+        ("memcpy of the same bytes", "memcpy"),
+        (f"transport ({r['transport_bytes'] / 1e6:.0f} MB all-gathered/rank)", "transport"),
+        ("stream alone (gather + conversion)", "stream"),
+        ("engine load alone (HF tensors)", "engine"),
+        ("sync, serial (no prefetch)", "serial"),
+        ("sync end to end (prefetch)", "sync"),
+        ("  of which inside the engine's loaders", "sync_load"),
+        ("  of which waiting for the stream", "sync_wait"),
+        ("sync, gather buffers kept across syncs", "sync_kept"),
     ]
-    for name, seconds in rows:
+    for name, key in rows:
+        seconds = r[f"{key}_s"]
+        cpu = " ".join(f"{c[key]:.2f}" for c in r["cpu"]) if key in r["cpu"][0] else ""
         print(
-            f"{name:>40} {seconds:8.3f} {gb / seconds:7.2f} {r['memcpy_s'] / seconds:10.3f} "
-            f"{seconds / r['sync_s']:8.3f}"
+            f"{name:>42} {seconds:8.3f} {gb / seconds:7.2f} {r['memcpy_s'] / seconds:10.3f} "
+            f"{seconds / r['sync_s']:8.3f} {cpu:>18}"
         )
-    peaks = ", ".join(f"{p / 1e6:.0f}" for p in r["peak_extra_bytes"])
-    print(f"peak extra memory of a sync per rank (MB): {peaks}")
+    print(
+        f"fraction_of_transport {r['transport_s'] / r['sync_s']:.3f} (serial: "
+        f"{r['transport_s'] / r['serial_s']:.3f}); load average {r['load_average']:.1f}"
+    )
+    peaks = ", ".join(
+        f"{p / 1e6:.0f} MB = {p / r['bucket_bytes']:.2f} buckets" for p in r["peak_extra_bytes"]
+    )
+    print(f"peak extra memory of a sync per rank: {peaks}")
+    kept = ", ".join(
+        f"{p / 1e6:.0f} MB + {k / 1e6:.0f} MB kept = {(p + k) / r['bucket_bytes']:.2f} buckets"
+        for p, k in zip(r["peak_kept_bytes"], r["kept_bytes"], strict=True)
+    )
+    print(f"  with buffers kept across syncs: {kept}")
 
 
 def projection(r: dict) -> None:
@@ -228,6 +279,9 @@ def run(quick: bool = False) -> None:
                 "gbps": round(gb / main["sync_s"], 3),
                 "fraction_of_transport": round(main["transport_s"] / main["sync_s"], 3),
                 "fraction_of_memcpy": round(main["memcpy_s"] / main["sync_s"], 3),
+                "peak_extra_buckets": round(
+                    max(main["peak_extra_bytes"]) / main["bucket_bytes"], 2
+                ),
             }
         )
     )

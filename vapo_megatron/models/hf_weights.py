@@ -7,14 +7,15 @@ gathered over tensor parallelism, as full HF-named tensors in a fixed order.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import unwrap_model
 
-from vapo_megatron.models.record import ModelChunk, ModelRecord, Split
+from vapo_megatron.models.record import ModelChunk, ModelRecord, Split, TensorMap
 
 
 def model_chunks_of_rank(config: TransformerConfig, pp_rank: int) -> list[ModelChunk]:
@@ -55,6 +56,74 @@ def load_hf_weights(
                 param.copy_(shards[name])
 
 
+class GatherBuffers:
+    """Reusable buffers for the TP gathers and conversions of the weight stream.
+
+    ``take`` hands out a tensor backed by a pooled buffer of the same element count, dtype
+    and device whose storage nothing else references any more (every tensor and view handed
+    out from it has been dropped: the consumer let go of its bucket and vLLM of its pending
+    layer), or a new one. So a sync touches fresh memory only for what is in flight, not for
+    the whole model (on CPU, first touch costs ~5x a copy into warm memory: 0.6 ms per MB
+    here), and a yielded tensor is never overwritten while anyone holds it.
+
+    ``limit_bytes`` bounds what the pool keeps: before allocating past it, free buffers are
+    dropped, least recently used first (buffers in use are never dropped, so the pool may
+    exceed the limit by what is in use). Keep one instance across syncs to start each sync
+    with warm buffers (it then holds up to ``limit_bytes`` in between), or let each stream
+    make its own.
+    """
+
+    def __init__(self, limit_bytes: int | None = None) -> None:
+        self.limit_bytes = limit_bytes
+        """What the pool keeps at most, in use or not (None: no bound)."""
+        self._buffers: list[torch.Tensor] = []  # least recently handed out first
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of ``shape`` whose contents are undefined; nobody else references it."""
+        numel = math.prod(shape)
+        device = torch.device(device)
+        for i, buffer in enumerate(self._buffers):
+            if (
+                buffer.numel() == numel
+                and buffer.dtype == dtype
+                and buffer.device == device
+                and _storage_refs(buffer) <= 1
+            ):
+                self._buffers.append(self._buffers.pop(i))
+                return buffer.view(shape)
+        self._make_room(numel * dtype.itemsize)
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        self._buffers.append(buffer)
+        return buffer.view(shape)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Drop free buffers, least recently used first, until ``nbytes`` more fit the limit."""
+        if self.limit_bytes is None:
+            return
+        excess = self.nbytes() + nbytes - self.limit_bytes
+        kept = []
+        for buffer in self._buffers:
+            if excess > 0 and _storage_refs(buffer) <= 1:
+                excess -= buffer.numel() * buffer.element_size()
+            else:
+                kept.append(buffer)
+        self._buffers = kept
+
+    def nbytes(self) -> int:
+        """Bytes held by the pool, in use or not."""
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+
+def _storage_refs(tensor: torch.Tensor) -> int:
+    """References to ``tensor``'s storage from tensors, ``tensor`` included (a large number if
+    this torch cannot say, so that the buffer is never reused)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return 1 << 30
+    # The storage object made here to ask holds one reference of its own.
+    return use_count(tensor.untyped_storage()._cdata) - 1
+
+
 def gather_hf_weights(
     models: list[torch.nn.Module],
     record: ModelRecord,
@@ -63,6 +132,7 @@ def gather_hf_weights(
     tp_group: dist.ProcessGroup | None,
     pp_rank: int,
     only_to_tp_rank: int | None = None,
+    buffers: GatherBuffers | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline rank's weights as full HF-named tensors, gathered over ``tp_group``.
 
@@ -70,10 +140,23 @@ def gather_hf_weights(
     plus its shards is alive). Collective: every rank of the TP group must iterate to the end.
     With ``only_to_tp_rank``, shards are gathered to that member of the TP group alone, and
     only it yields tensors (the others yield nothing; their iteration only sends shards).
+
+    Gathering to every rank, each split tensor is all-gathered into one pooled buffer
+    (``buffers``; if None, a new pool that keeps no free buffer past the next allocation) and converted into HF tensors by views where the layout
+    allows (the vocabulary trim: the embedding and LM head are views of the gathered buffer)
+    and by one copy into a pooled buffer where it does not (q/k/v out of the per-group fused
+    rows, gate/up out of the per-rank halves, row-parallel shards side by side). Replicated
+    tensors are the parameters themselves, as before. A yielded tensor may share its storage
+    with the others of the same Megatron tensor (gate and up): clone it to keep it apart.
     """
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    receives = only_to_tp_rank is None or only_to_tp_rank == tp_rank
+    if only_to_tp_rank is None:
+        yield from _all_gather_hf_weights(
+            models, record, config, tp_group, tp_size, pp_rank, buffers or GatherBuffers(0)
+        )
+        return
+    receives = only_to_tp_rank == tp_rank
     for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
         params = dict(unwrap_model(model).named_parameters())
         for name, m in record.tensor_maps(chunk).items():
@@ -82,12 +165,93 @@ def gather_hf_weights(
             local = params[name].detach()
             if tp_size > 1 and m.split is not Split.REPLICATED:
                 shards = [torch.empty_like(local) for _ in range(tp_size)] if receives else None
-                if only_to_tp_rank is None:
-                    dist.all_gather(shards, local.contiguous(), group=tp_group)
-                else:
-                    dst = dist.get_global_rank(tp_group, only_to_tp_rank)
-                    dist.gather(local.contiguous(), shards, dst=dst, group=tp_group)
+                dst = dist.get_global_rank(tp_group, only_to_tp_rank)
+                dist.gather(local.contiguous(), shards, dst=dst, group=tp_group)
             else:
                 shards = [local] * tp_size
             if receives:
                 yield from record.megatron_to_hf(name, shards, chunk)
+
+
+def tp_gathers(
+    models: list[torch.nn.Module],
+    record: ModelRecord,
+    config: TransformerConfig,
+    *,
+    pp_rank: int,
+) -> Iterator[tuple[str, TensorMap, torch.Tensor, ModelChunk]]:
+    """(Megatron name, map, local tensor, chunk) of every tensor this pipeline rank exports, in
+    the stream's order (the bench replays its all-gathers); ``needs_gather`` tells which ones
+    are all-gathered."""
+    for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
+        params = dict(unwrap_model(model).named_parameters())
+        for name, m in record.tensor_maps(chunk).items():
+            if not m.tied_copy:  # the first stage exports the shared embedding
+                yield name, m, params[name].detach(), chunk
+
+
+def needs_gather(m: TensorMap, tp_size: int) -> bool:
+    """Whether the stream all-gathers this tensor over TP (one ``all_gather_into_tensor``
+    from the contiguous local shard into a [tp_size * rows, ...] buffer)."""
+    return tp_size > 1 and m.split is not Split.REPLICATED
+
+
+def _all_gather_hf_weights(models, record, config, tp_group, tp_size, pp_rank, buffers):
+    """``gather_hf_weights`` to every rank of the TP group, through ``buffers``."""
+    for name, m, local, chunk in tp_gathers(models, record, config, pp_rank=pp_rank):
+        if m.split is Split.REPLICATED:  # the parameter itself, as the record gives it
+            yield from record.megatron_to_hf(name, [local] * tp_size, chunk)
+        elif not needs_gather(m, tp_size):  # TP=1: converted out of the parameter
+            yield from _hf_tensors(record, m, local, 1, buffers, owned=False)
+        else:
+            local = local.contiguous()
+            shape = (tp_size * local.shape[0], *local.shape[1:])
+            full = buffers.take(shape, local.dtype, local.device)
+            dist.all_gather_into_tensor(full, local, group=tp_group)
+            yield from _hf_tensors(record, m, full, tp_size, buffers, owned=True)
+
+
+def _hf_tensors(
+    record: ModelRecord,
+    m: TensorMap,
+    full: torch.Tensor,
+    tp_size: int,
+    buffers: GatherBuffers,
+    *,
+    owned: bool,
+) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of one split Megatron tensor from its TP shards stacked along dim 0
+    (``full``: rank r's shard is the r-th of ``tp_size`` equal row blocks), as the record's
+    ``megatron_to_hf`` computes them. ``owned``: ``full`` is a pooled buffer that views may
+    keep (else it is a parameter, and every result is copied out of it)."""
+    shapes = [record.hf_shape(hf_name) for hf_name in m.hf_names]
+    rest = tuple(full.shape[1:])
+    if m.split is Split.VOCAB:
+        parts = [full[: shapes[0][0]]]
+    elif m.split is Split.QKV:
+        groups = record.config.num_key_value_heads
+        fused = full.view(groups, -1, *rest)
+        parts = fused.split([shape[0] // groups for shape in shapes], dim=1)
+    elif m.split is Split.GATE_UP:
+        halves = full.view(tp_size, 2, -1, *rest)
+        parts = [halves[:, 0], halves[:, 1]]
+    elif m.split is Split.ROW:  # the shards side by side along dim 1
+        parts = [full.view(tp_size, -1, *rest).transpose(0, 1)]
+    else:
+        raise ValueError(f"{m.megatron_name}: no gather for split {m.split}")
+    return [
+        (hf_name, _as_hf(part, shape, buffers, owned))
+        for hf_name, part, shape in zip(m.hf_names, parts, shapes, strict=True)
+    ]
+
+
+def _as_hf(
+    part: torch.Tensor, shape: tuple[int, ...], buffers: GatherBuffers, owned: bool
+) -> torch.Tensor:
+    """``part`` as a tensor of ``shape``: a view when it is contiguous in a pooled buffer,
+    else a copy into a pooled buffer."""
+    if owned and part.is_contiguous():
+        return part.view(shape)
+    out = buffers.take(shape, part.dtype, part.device)
+    out.view(part.shape).copy_(part)
+    return out

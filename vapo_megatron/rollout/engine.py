@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from vapo_megatron.rollout.prefetch import Prefetcher
 from vapo_megatron.rollout.sleep_state import SleepLevel, SleepState, TrainingOffload
 from vapo_megatron.rollout.weight_buckets import bucket_nbytes, iter_buckets
 
@@ -109,6 +110,9 @@ class WeightUpdateStats:
     seconds: float
     load_seconds: float = 0.0
     """Of ``seconds``, the time inside the engine's loaders (the rest: producing the stream)."""
+    wait_seconds: float = 0.0
+    """Of ``seconds``, the time spent waiting for the next bucket (with prefetch: the part of the
+    stream the engine's loads did not hide; without: all of producing the stream)."""
 
 
 def check_vllm_version(installed: str, where: str = "") -> None:
@@ -154,6 +158,33 @@ def _cpu_scheduling(config: RolloutConfig) -> dict:
         "enable_chunked_prefill": False,
         "max_num_batched_tokens": max(config.max_model_len, 8192),
     }
+
+
+class _Inline:
+    """The iterator interface of ``Prefetcher`` without a thread: items are produced in the
+    consumer, on demand; ``wait_seconds`` is the time spent producing them."""
+
+    def __init__(self, items: Iterable) -> None:
+        self._items = iter(items)
+        self.wait_seconds = 0.0
+
+    def __iter__(self) -> _Inline:
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        try:
+            return next(self._items)
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        close = getattr(self._items, "close", None)
+        if close is not None:
+            close()
 
 
 class RolloutEngine:
@@ -322,6 +353,7 @@ class RolloutEngine:
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         *,
         bucket_bytes: int | None = None,
+        prefetch: bool = True,
     ) -> WeightUpdateStats:
         """Load full HF-named tensors into the engine, one bucket per message.
 
@@ -334,24 +366,38 @@ class RolloutEngine:
         tensors (full, not sliced): each rank's worker keeps its TP slice. The weights must be
         awake (``wake_up(["weights"])`` after a sleep), else ``EngineStateError``. An exception
         midway leaves the engine unusable (every later call raises): build a new one.
+
+        ``bucket_bytes`` (default ``config.weight_bucket_bytes``) bounds the weight bytes in
+        flight. With ``prefetch`` (default), ``named_tensors`` is consumed in a producer thread
+        (``prefetch.Prefetcher``) one message ahead, so that producing message k+1 (the weight
+        stream's gathers) overlaps the engine's load of message k; messages are then half a
+        bucket, so that the one loading and the one being produced fit in ``bucket_bytes``
+        together (plus one tensor: a tensor is never split). The stream's collectives all run in
+        that one thread, in the stream's order; the caller's thread only loads. Without
+        ``prefetch`` the stream is consumed in this thread, one full bucket per message.
         """
         bucket_bytes = bucket_bytes or self.config.weight_bucket_bytes
+        message_bytes = max(1, bucket_bytes // 2) if prefetch else bucket_bytes
         dtype = getattr(torch, self.config.dtype)
         self.state.begin_update()
         ok = False
         start = time.perf_counter()
         num_tensors = num_bytes = num_buckets = 0
-        load_seconds = 0.0
+        load_seconds = wait_seconds = 0.0
         try:
             self.llm.collective_rpc("start_weight_update")
             detached = ((name, tensor.detach()) for name, tensor in named_tensors)
-            for bucket in iter_buckets(detached, bucket_bytes, dtype=dtype):
-                loading = time.perf_counter()
-                self.llm.collective_rpc("update_weights", args=({"weights": bucket},))
-                load_seconds += time.perf_counter() - loading
-                num_tensors += len(bucket)
-                num_bytes += bucket_nbytes(bucket)
-                num_buckets += 1
+            buckets = iter_buckets(detached, message_bytes, dtype=dtype)
+            with Prefetcher(buckets) if prefetch else _Inline(buckets) as messages:
+                for bucket in messages:
+                    loading = time.perf_counter()
+                    self.llm.collective_rpc("update_weights", args=({"weights": bucket},))
+                    load_seconds += time.perf_counter() - loading
+                    num_tensors += len(bucket)
+                    num_bytes += bucket_nbytes(bucket)
+                    num_buckets += 1
+                    del bucket  # let its buffers go back to the stream before the next arrives
+                wait_seconds = messages.wait_seconds
             loading = time.perf_counter()
             self.llm.collective_rpc("finish_weight_update")
             self.llm.reset_prefix_cache()
@@ -365,6 +411,7 @@ class RolloutEngine:
             num_buckets=num_buckets,
             seconds=time.perf_counter() - start,
             load_seconds=load_seconds,
+            wait_seconds=wait_seconds,
         )
 
     def sleep(self) -> None:

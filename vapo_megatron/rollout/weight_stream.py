@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 
-from vapo_megatron.models.hf_weights import gather_hf_weights, model_chunks_of_rank
+from vapo_megatron.models.hf_weights import GatherBuffers, gather_hf_weights, model_chunks_of_rank
 from vapo_megatron.models.record import ModelRecord
 from vapo_megatron.rollout.weight_buckets import NamedTensor, iter_buckets
 
@@ -45,14 +45,28 @@ def stream_policy_weights(
     pp_group: dist.ProcessGroup | None,
     bucket_bytes: int,
     receiver: int | None = None,
+    buffers: GatherBuffers | None = None,
 ) -> Iterator[list[NamedTensor]]:
     """Buckets of the whole model's full HF-named tensors: on every rank, or on ``receiver``.
+
+    With PP = 1 nothing crosses ranks after the TP gathers, so each bucket is one tensor,
+    yielded as soon as it is gathered: what is held is then the consumer's choice (the engine
+    re-buckets), not one more bucket here. With PP > 1 a bucket is one broadcast message.
 
     Collective over the TP and PP groups: every rank of the model replica must consume the
     iterator to the end. ``receiver`` (a global rank) must be the first TP rank of its stage
     in this replica; other ranks then yield nothing. Tensors come in the parameters' dtype
     (``config.params_dtype``).
+
+    Gathers, conversions and PP bucket buffers come from ``buffers`` (if None, a pool of this
+    call's own that keeps at most ``bucket_bytes``), recycled as soon as the consumer and the
+    engine drop what they were handed: a consumer that lets go of each bucket once loaded
+    keeps the stream's memory to what is in flight. Pass one pool to successive syncs to
+    start each with warm memory (held in between). Yielded tensors may be views of pooled
+    buffers (never overwritten while referenced): clone one to keep it apart.
     """
+    if buffers is None:
+        buffers = GatherBuffers(limit_bytes=bucket_bytes)
     if receiver is not None:
         yield from _stream_to_receiver(
             models, record, config, tp_group, pp_group, bucket_bytes, receiver
@@ -63,28 +77,39 @@ def stream_policy_weights(
     for stage in range(pp_size):
         own = stage == pp_rank
         gathered = (
-            gather_hf_weights(models, record, config, tp_group=tp_group, pp_rank=pp_rank)
+            gather_hf_weights(
+                models, record, config, tp_group=tp_group, pp_rank=pp_rank, buffers=buffers
+            )
             if own
             else None
         )
-        if pp_size == 1:
-            yield from iter_buckets(gathered, bucket_bytes)
+        if pp_size == 1:  # nothing crosses ranks any more: hand each tensor on at once
+            for named in gathered:
+                yield [named]
             continue
         source = dist.get_global_rank(pp_group, stage)
         for views, flat in _bucket_buffers(
-            record, config, stage, bucket_bytes, gathered if own else None
+            record, config, stage, bucket_bytes, gathered if own else None, buffers
         ):
             dist.broadcast(flat, src=source, group=pp_group)
             yield views
+            del views, flat  # the consumer's hold alone decides when the buffer is reused
         if own:
             assert next(gathered, None) is None, "the record's plan missed a tensor"
 
 
-def _bucket_buffers(record, config, stage, bucket_bytes, source):
-    """(views, flat buffer) per bucket of ``stage``'s plan; filled from ``source`` if given."""
+def _bucket_buffers(record, config, stage, bucket_bytes, source, buffers=None):
+    """(views, flat buffer) per bucket of ``stage``'s plan; filled from ``source`` if given.
+
+    The flat buffer comes from ``buffers`` when given (the broadcast path), else it is new."""
     dtype = config.params_dtype
     for plan in iter_buckets(_stage_plan(record, config, stage, dtype), bucket_bytes):
-        flat = torch.empty(sum(meta.numel() for _, meta in plan), dtype=dtype)
+        numel = sum(meta.numel() for _, meta in plan)
+        flat = (
+            torch.empty(numel, dtype=dtype)
+            if buffers is None
+            else buffers.take((numel,), dtype, torch.get_default_device())
+        )
         views, offset = [], 0
         for name, meta in plan:
             view = flat[offset : offset + meta.numel()].view(meta.shape)
@@ -93,8 +118,10 @@ def _bucket_buffers(record, config, stage, bucket_bytes, source):
                 got_name, tensor = next(source)
                 assert got_name == name, (got_name, name)  # record order on both sides
                 view.copy_(tensor)
+                del tensor  # its gather buffer goes back to the pool
             views.append((name, view))
         yield views, flat
+        del views, flat
 
 
 def _stream_to_receiver(models, record, config, tp_group, pp_group, bucket_bytes, receiver):
