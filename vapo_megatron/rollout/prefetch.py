@@ -15,6 +15,7 @@ peers never come stays blocked until the collective's own timeout, as a caller w
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -33,11 +34,28 @@ class Prefetcher(Generic[T]):
     Use as ``with Prefetcher(items) as it: for x in it: ...``; the thread is joined when the
     block ends, however it ends. ``wait_seconds`` accumulates the time the consumer spent
     waiting for the producer.
+
+    ``switch_interval``: while the producer runs, the interpreter's thread switch interval
+    (``sys.setswitchinterval``, process-wide; restored on close). The producer mostly waits
+    in collectives and torch kernels with the GIL released; each time one returns it needs the
+    GIL back from a consumer running Python (vLLM's loaders), which by default keeps it up to
+    5 ms, and the wait delays the collective's peers too. None leaves the interval alone.
     """
 
-    def __init__(self, items: Iterable[T], *, ahead: int = 1, name: str = "vapo-prefetch"):
+    def __init__(
+        self,
+        items: Iterable[T],
+        *,
+        ahead: int = 1,
+        name: str = "vapo-prefetch",
+        switch_interval: float | None = 2e-4,
+    ):
         if ahead < 1:
             raise ValueError(f"ahead must be >= 1, got {ahead}")
+        self._saved_interval = None
+        if switch_interval is not None:
+            self._saved_interval = sys.getswitchinterval()
+            sys.setswitchinterval(switch_interval)
         self._source = iter(items)
         self._queue: queue.Queue = queue.Queue(maxsize=ahead)
         self._permits = threading.Semaphore(ahead)
@@ -98,6 +116,9 @@ class Prefetcher(Generic[T]):
             self._drain()  # a producer blocked on a full queue can put and finish
             self._thread.join(timeout=0.05)
         self._drain()
+        if self._saved_interval is not None:
+            sys.setswitchinterval(self._saved_interval)
+            self._saved_interval = None
 
     def _drain(self) -> None:
         """Drop every item waiting in the queue."""
