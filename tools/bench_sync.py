@@ -10,9 +10,10 @@ on both ranks at once. From the same run, best of 3 each:
   preallocated buffers), nothing else: the floor for any sync on this machine;
 - stream: the weight stream alone (gathers + conversion to HF tensors);
 - engine: the engine's load alone, from HF tensors already in memory;
-- sync: the end-to-end ``update_weights(stream, bucket_bytes)`` with the stream produced one
-  message ahead in a thread (the default), split into the time inside the engine's loaders
-  and the time the loads waited for the stream; and the same sync without prefetch (serial);
+- sync: the end-to-end ``update_weights(stream, bucket_bytes)`` as the trainer runs it (on
+  CPU: serial), split into the time inside the engine's loaders and the time producing the
+  stream; and the same sync with the stream produced one message ahead in a thread
+  (``prefetch=True``);
 - memcpy: ``Tensor.copy_`` of the model's HF tensors (the same bytes) on both ranks at once.
 
 Each timed path also reports the CPU time of the rank's process (all its threads) over the
@@ -144,7 +145,7 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
         for local, full in plan:
             dist.all_gather_into_tensor(full, local, group=tp_group)
 
-    def sync(prefetch=True, buffers=None):
+    def sync(prefetch=None, buffers=None):
         return rollout.update_weights(
             (t for b in stream(buffers) for t in b), bucket_bytes=BUCKET_BYTES, prefetch=prefetch
         )
@@ -157,7 +158,7 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
         "transport": best_of(transport),
         "stream": best_of(lambda: [None for _ in stream()]),
         "engine": best_of(lambda: rollout.update_weights(state.items(), bucket_bytes=BUCKET_BYTES)),
-        "serial": best_of(lambda: sync(prefetch=False)),
+        "prefetch": best_of(lambda: sync(prefetch=True)),
         "sync": best_of(sync),
         "sync_kept": best_of(lambda: sync(buffers=kept)),
     }
@@ -225,10 +226,10 @@ def report(r: dict) -> None:
         (f"transport ({r['transport_bytes'] / 1e6:.0f} MB all-gathered/rank)", "transport"),
         ("stream alone (gather + conversion)", "stream"),
         ("engine load alone (HF tensors)", "engine"),
-        ("sync, serial (no prefetch)", "serial"),
-        ("sync end to end (prefetch)", "sync"),
+        ("sync, stream one message ahead (prefetch)", "prefetch"),
+        ("sync end to end (default: serial on CPU)", "sync"),
         ("  of which inside the engine's loaders", "sync_load"),
-        ("  of which waiting for the stream", "sync_wait"),
+        ("  of which producing the stream", "sync_wait"),
         ("sync, gather buffers kept across syncs", "sync_kept"),
     ]
     for name, key in rows:
@@ -239,8 +240,8 @@ def report(r: dict) -> None:
             f"{seconds / r['sync_s']:8.3f} {cpu:>18}"
         )
     print(
-        f"fraction_of_transport {r['transport_s'] / r['sync_s']:.3f} (serial: "
-        f"{r['transport_s'] / r['serial_s']:.3f}); load average {r['load_average']:.1f}"
+        f"fraction_of_transport {r['transport_s'] / r['sync_s']:.3f} (with prefetch: "
+        f"{r['transport_s'] / r['prefetch_s']:.3f}); load average {r['load_average']:.1f}"
     )
     peaks = ", ".join(
         f"{p / 1e6:.0f} MB = {p / r['bucket_bytes']:.2f} buckets" for p in r["peak_extra_bytes"]

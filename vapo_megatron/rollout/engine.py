@@ -353,7 +353,7 @@ class RolloutEngine:
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         *,
         bucket_bytes: int | None = None,
-        prefetch: bool = True,
+        prefetch: bool | None = None,
     ) -> WeightUpdateStats:
         """Load full HF-named tensors into the engine, one bucket per message.
 
@@ -368,15 +368,19 @@ class RolloutEngine:
         midway leaves the engine unusable (every later call raises): build a new one.
 
         ``bucket_bytes`` (default ``config.weight_bucket_bytes``) bounds the weight bytes in
-        flight. With ``prefetch`` (default), ``named_tensors`` is consumed in a producer thread
+        flight. With ``prefetch``, ``named_tensors`` is consumed in a producer thread
         (``prefetch.Prefetcher``) one message ahead, so that producing message k+1 (the weight
         stream's gathers) overlaps the engine's load of message k; messages are then half a
         bucket, so that the one loading and the one being produced fit in ``bucket_bytes``
         together (plus one tensor: a tensor is never split). The stream's collectives all run in
-        that one thread, in the stream's order; the caller's thread only loads. Without
-        ``prefetch`` the stream is consumed in this thread, one full bucket per message.
+        that one thread, in the stream's order; the caller's thread only loads. Without it the
+        stream is consumed in this thread, one full bucket per message. Default (None): off on
+        CPU, where the two ranks' threads already keep both cores busy and overlap measured
+        slower than serial (docs/rollout.md, benchmark), on elsewhere (not measured on a GPU).
         """
         bucket_bytes = bucket_bytes or self.config.weight_bucket_bytes
+        if prefetch is None:
+            prefetch = not self.is_cpu
         message_bytes = max(1, bucket_bytes // 2) if prefetch else bucket_bytes
         dtype = getattr(torch, self.config.dtype)
         self.state.begin_update()
