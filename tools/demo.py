@@ -38,6 +38,7 @@ from vapo_megatron.train import quiet_dependencies  # noqa: E402
 
 quiet_dependencies()
 
+from make_tiny import sha256  # noqa: E402
 from plot_curves import plot_curves, read_metrics  # noqa: E402
 
 from vapo_megatron.trainer.checkpointing import latest_step  # noqa: E402
@@ -46,6 +47,8 @@ from vapo_megatron.trainer.recipe import load_recipe  # noqa: E402
 
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "demo.yaml"
 CONVERT = REPO_ROOT / "tools" / "convert.py"
+SHIPPED_MODEL = REPO_ROOT / "vapo_megatron" / "data" / "tiny_demo"
+"""tools/make_tiny.py's output for recipes/demo.yaml's values, so `make demo` skips the warm-up."""
 ASSETS_STAMP_VERSION = 2
 """Bump when what the assets are made of changes, so old ones are rebuilt."""
 
@@ -71,7 +74,7 @@ def prepare_assets(config: TrainConfig, *, log=print) -> dict[str, float]:
     params = {
         "version": ASSETS_STAMP_VERSION, "seed": model.tiny_seed,
         "warmup_steps": model.tiny_warmup_steps, "slip_rate": model.tiny_slip_rate,
-        "num_train": model.tiny_num_train,
+        "guess_rate": model.tiny_guess_rate, "num_train": model.tiny_num_train,
         "num_eval": model.tiny_num_eval, "template": data.template, "data_dir": str(train_path.parent),
         "tp": config.policy.layout.tp, "pp": config.policy.layout.pp, "dtype": config.model.dtype,
     }  # fmt: skip
@@ -89,12 +92,19 @@ def prepare_assets(config: TrainConfig, *, log=print) -> dict[str, float]:
         for stale in (model_dir, mcore_dir):
             shutil.rmtree(stale, ignore_errors=True)
         make_splits(train_path.parent, model.tiny_num_train, model.tiny_num_eval, model.tiny_seed)
-        write_tiny_model(
-            model_dir, seed=model.tiny_seed, warmup_steps=model.tiny_warmup_steps,
-            train_path=train_path, template=data.template, slip_rate=model.tiny_slip_rate,
-        )  # fmt: skip
+        shipped = shipped_model(config, train_path)
+        if shipped is not None:
+            shutil.copytree(shipped, model_dir)
+            note = f"warmed-up model copied from {shipped.relative_to(REPO_ROOT)}"
+        else:
+            write_tiny_model(
+                model_dir, seed=model.tiny_seed, warmup_steps=model.tiny_warmup_steps,
+                train_path=train_path, template=data.template, slip_rate=model.tiny_slip_rate,
+                guess_rate=model.tiny_guess_rate,
+            )  # fmt: skip
+            note = "built"
         built["assets_seconds"] = time.perf_counter() - started
-        note = f"built in {built['assets_seconds']:.0f} s"
+        note = f"{note} in {built['assets_seconds']:.0f} s"
         stamp_path.write_text(json.dumps({"params": params, "note": note}, indent=2) + "\n")
         log(f"demo: tiny task and model {note}")
     if not (mcore_dir / "vapo_checkpoint.json").is_file():
@@ -112,6 +122,34 @@ def prepare_assets(config: TrainConfig, *, log=print) -> dict[str, float]:
             raise RuntimeError(f"tools/convert.py failed:\n{done.stdout}\n{done.stderr}")
         built["convert_seconds"] = time.perf_counter() - started
     return built
+
+
+def shipped_model(config: TrainConfig, train_path: Path) -> Path | None:
+    """The repository's copy of the warmed-up model when it was made with the recipe's values.
+
+    ``SHIPPED_MODEL`` holds what ``tools/make_tiny.py`` wrote (its ``stamp.json`` records the
+    values and the SHA-256 of the weights and of the train split it was warmed up on); it is
+    used only when the values match and the freshly written train split is the same bytes,
+    otherwise the model is built (``model.tiny_warmup_steps`` supervised steps).
+    """
+    stamp_path = SHIPPED_MODEL / "stamp.json"
+    if not stamp_path.is_file():
+        return None
+    stamp = json.loads(stamp_path.read_text())
+    model, wanted = config.model, stamp["params"]
+    ours = {
+        "seed": model.tiny_seed, "warmup_steps": model.tiny_warmup_steps,
+        "slip_rate": model.tiny_slip_rate, "guess_rate": model.tiny_guess_rate,
+        "n_train": model.tiny_num_train,
+        "n_eval": model.tiny_num_eval, "template": config.data.template,
+    }  # fmt: skip
+    if any(wanted.get(key) != value for key, value in ours.items()):
+        return None
+    if sha256(train_path) != stamp["result"]["train_sha256"]:
+        return None
+    if sha256(SHIPPED_MODEL / "model" / "model.safetensors") != stamp["result"]["model_sha256"]:
+        raise RuntimeError(f"{SHIPPED_MODEL}/model/model.safetensors does not match its stamp")
+    return SHIPPED_MODEL / "model"
 
 
 def converted_policy_dir(config: TrainConfig) -> Path:

@@ -1,6 +1,6 @@
 """Writes the tiny demo's inputs: the synthetic task's splits and a tiny Qwen2 model directory.
 
-    python tools/make_tiny.py OUT_DIR [--seed 0] [--warmup-steps N] [--slip-rate X] [--n-train 2000 --n-eval 200]
+    python tools/make_tiny.py OUT_DIR [--seed 0] [--warmup-steps N] [--slip-rate X] [--guess-rate X] [--n-train 2000 --n-eval 200]
 
 OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (plain rows, graded by DAPO's grader), OUT_DIR/model
 (tokenizer + Qwen2ForCausalLM, a complete HF directory). Prints one JSON line: paths, sizes,
@@ -13,12 +13,18 @@ is redone and the recorded line is printed again, with "reused": true. --warmup-
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
 
 STAMP_VERSION = 2
 """Bump when the task, tokenizer or model changes, so old outputs are rebuilt."""
+
+
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def main() -> None:
@@ -28,6 +34,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument(
         "--slip-rate", type=float, default=0.0, help="warm-up lines that slip (0 <= x < 1)"
+    )
+    parser.add_argument(
+        "--guess-rate", type=float, default=0.0, help="warm-up answers guessed (0 <= x < 1)"
     )
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-eval", type=int, default=200)
@@ -61,6 +70,7 @@ def main() -> None:
         train_path=train_path,
         template=args.template,
         slip_rate=args.slip_rate,
+        guess_rate=args.guess_rate,
     )
     result = {
         "model": str(model_dir),
@@ -69,6 +79,9 @@ def main() -> None:
         "n_train": args.n_train,
         "n_eval": args.n_eval,
         "model_mb": round((model_dir / "model.safetensors").stat().st_size / 2**20, 2),
+        # What tools/demo.py checks before it uses a shipped copy, and what a rebuild must equal.
+        "model_sha256": sha256(model_dir / "model.safetensors"),
+        "train_sha256": sha256(train_path),
         "seconds": round(time.perf_counter() - start, 2),
         # CPU seconds of this process: what the build costs when the cores are shared.
         "cpu_seconds": round(time.process_time() - start_cpu, 2),

@@ -16,6 +16,7 @@ from vapo_megatron.data.synthetic import (
     MAX_VALUE,
     MIN_TERMS,
     PREFIX,
+    guessed_solution,
     make_problem,
     make_rows,
     make_splits,
@@ -105,6 +106,22 @@ def test_slips_are_drawn_at_the_rate_and_carried_on():
         worked_solution(*parse(prompt), slip_rate=0.1)
     with pytest.raises(ValueError, match="slip_rate"):
         worked_solution(*parse(prompt), slip_rate=1.0, rng=rng)
+
+
+def test_guesses_are_near_and_never_right():
+    rng = random.Random(2)
+    offsets = set()
+    for _, answer, _ in problems(500):
+        guess = guessed_solution(answer, rng)
+        assert re.fullmatch(r"Answer: \d+", guess)
+        assert grade(guess, answer).acc == 0.0
+        value = int(guess.split()[-1])
+        assert 0 <= value <= MAX_VALUE and 1 <= abs(value - int(answer)) <= 9
+        offsets.add(value - int(answer))
+    assert len(offsets) > 10  # drawn, not one fixed offset
+    assert {guessed_solution("0", rng) for _ in range(100)} == {
+        f"Answer: {d}" for d in range(1, 10)
+    }
 
 
 def test_parse_refuses_other_text():
@@ -203,8 +220,11 @@ def test_model_dir_loads_and_generates(tmp_path):
 
 
 def test_weights_depend_only_on_the_seed_warm_up_included(tmp_path):
-    def weights(name, seed, steps, slip_rate=0.0):
-        path = write_tiny_model(tmp_path / name, seed=seed, warmup_steps=steps, slip_rate=slip_rate)
+    def weights(name, seed, steps, slip_rate=0.0, guess_rate=0.0):
+        path = write_tiny_model(
+            tmp_path / name, seed=seed, warmup_steps=steps, slip_rate=slip_rate,
+            guess_rate=guess_rate,
+        )  # fmt: skip
         return load_file(path / "model.safetensors")
 
     init = weights("init", 0, 0)
@@ -212,12 +232,17 @@ def test_weights_depend_only_on_the_seed_warm_up_included(tmp_path):
     warm_again = weights("warm_again", 0, 2)
     other = weights("other", 1, 0)
     slipped, slipped_again = weights("slip", 0, 3, 0.5), weights("slip_again", 0, 3, 0.5)
+    guessed, guessed_again = weights("guess", 0, 3, 0.0, 0.5), weights("guess2", 0, 3, 0.0, 0.5)
+    assert all(torch.equal(guessed[k], guessed_again[k]) for k in warm)
+    assert not torch.equal(guessed["lm_head.weight"], slipped["lm_head.weight"])
     assert warm.keys() == warm_again.keys() == init.keys()
     assert all(torch.equal(warm[k], warm_again[k]) for k in warm)
     assert all(torch.equal(slipped[k], slipped_again[k]) for k in warm)
     assert not torch.equal(slipped["lm_head.weight"], weights("clean3", 0, 3)["lm_head.weight"])
     with pytest.raises(ValueError, match="slip_rate"):
         write_tiny_model(tmp_path / "bad", seed=0, slip_rate=-0.1)
+    with pytest.raises(ValueError, match="guess_rate"):
+        write_tiny_model(tmp_path / "bad", seed=0, guess_rate=1.0)
     assert not torch.equal(warm["model.embed_tokens.weight"], init["model.embed_tokens.weight"])
     assert not torch.equal(other["lm_head.weight"], init["lm_head.weight"])
 

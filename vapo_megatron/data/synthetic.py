@@ -16,10 +16,16 @@ next operand a lookup by name rather than by position ("which is the sixth numbe
 two-layer model learns; the arithmetic of each line is what it has to get right. One term a
 line makes the reasoning grow with the chain: 2 terms are solved in one line, 10 in nine.
 
-``worked_solution(..., slip_rate=)`` writes solutions with slips: a line whose result is off
-by 1 or 2, carried on to the end (so the answer is wrong). The tiny model's warm-up
-(``tiny_model.warm_up``) learns from such solutions, so the policy RL starts from knows the
-arithmetic but slips now and then, as a pretrained model carries the mistakes of its data.
+Two kinds of imperfect solution make the tiny model's warm-up data (``tiny_model.warm_up``)
+what a pretrained model's is, a mix of careful and careless reasoning:
+
+- ``worked_solution(..., slip_rate=)``: slips, a line whose result is off by 1 or 2, carried
+  on to the end (so the answer is wrong);
+- ``guessed_solution``: a shortcut, the answer line alone with a guess near the answer.
+
+The policy RL starts from then knows the arithmetic but often guesses instead of working, and
+slips now and then; RL can raise its pass rate by working every problem out and by slipping
+less, and its responses grow longer as it learns to (as the paper's do).
 
 Rows are written in the plain prompt schema ``{"prompt", "answer", "data_source"}`` with
 ``data_source`` "math_dapo", so DAPO's grader scores the responses.
@@ -47,6 +53,8 @@ DATA_SOURCE = "math_dapo"
 PREFIX = "Evaluate left to right: "
 SLIPS = (-2, -1, 1, 2)
 """How far a slipped line's result is off."""
+MAX_GUESS_OFF = 9
+"""How far a guessed answer (``guessed_solution``) is off at most."""
 _LETTERS = string.ascii_lowercase[:MAX_TERMS]
 _TERM = re.compile(r"([a-z])=([-+*]?)(\d+)")
 _MAX_DRAWS_PER_ROW = 100
@@ -172,6 +180,20 @@ def worked_solution(
         value = result
     lines.append(f"Answer: {value}")
     return str(value), "\n".join(lines)
+
+
+def guessed_solution(answer: str, rng: random.Random) -> str:
+    """A shortcut with no working: the answer line alone, with a guess off by 1 to ``MAX_GUESS_OFF``.
+
+    The guess is never right, so a policy that learned to guess gains only by working.
+    """
+    value = int(answer)
+    guesses = [
+        value + d
+        for d in range(-MAX_GUESS_OFF, MAX_GUESS_OFF + 1)
+        if d != 0 and 0 <= value + d <= MAX_VALUE
+    ]
+    return f"Answer: {rng.choice(guesses)}"
 
 
 def read_rows(path: str | Path) -> list[dict[str, str]]:

@@ -32,6 +32,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 from vapo_megatron.data.prompts import PromptRecord
 from vapo_megatron.data.synthetic import (
     DATA_SOURCE,
+    guessed_solution,
     make_rows,
     parse,
     read_rows,
@@ -118,18 +119,21 @@ def write_tiny_model(
     train_path: str | Path | None = None,
     template: str = "dapo",
     slip_rate: float = 0.0,
+    guess_rate: float = 0.0,
 ) -> Path:
     """Writes tokenizer + Qwen2 policy (+ warm-up) to ``out_dir``; returns ``out_dir``.
 
     The tokenizer's corpus and the warm-up data are the rows of ``train_path`` (a plain JSONL
     split from ``synthetic.write_split``), or rows drawn from ``seed`` when it is None.
     ``template`` is how prompts are encoded in the warm-up; it must be the one the RL run uses.
-    ``slip_rate``: the warm-up's solutions slip at that rate a line (``warm_up``).
+    ``slip_rate``, ``guess_rate``: the warm-up's solutions slip at that rate a line, and that
+    fraction of them are guesses with no working (``warm_up``).
     """
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-    if not 0.0 <= slip_rate < 1.0:
-        raise ValueError(f"slip_rate must be in [0, 1), got {slip_rate}")
+    for name, rate in (("slip_rate", slip_rate), ("guess_rate", guess_rate)):
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {rate}")
     if template not in WARMUP_TEMPLATES:
         raise ValueError(
             f"template {template!r} cannot be used: the tiny tokenizer has no chat template; "
@@ -142,7 +146,7 @@ def write_tiny_model(
     if warmup_steps > 0:
         warm_up(
             model, tokenizer, rows, steps=warmup_steps, seed=seed, template=template,
-            slip_rate=slip_rate,
+            slip_rate=slip_rate, guess_rate=guess_rate,
         )  # fmt: skip
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
@@ -165,22 +169,27 @@ def warm_up(
     batch_size: int = 16,
     lr: float = 3e-3,
     slip_rate: float = 0.0,
+    guess_rate: float = 0.0,
 ) -> dict[str, float]:
     """Supervised warm-up on (prompt, worked solution + eos); returns the last loss and seconds.
 
     With ``slip_rate`` > 0 each use of a problem draws its solution's slips afresh
     (``synthetic.worked_solution``): the model learns the arithmetic and also to slip at about
-    that rate a line, which sampling at temperature 1 then does and RL can remove.
+    that rate a line, which sampling at temperature 1 then does and RL can remove. With
+    ``guess_rate`` > 0 that fraction of uses is a guessed answer with no working instead
+    (``synthetic.guessed_solution``): the model learns to guess about that often.
     AdamW with a short linear ramp and cosine decay; batches of similar lengths are drawn in a
     seeded order, one epoch after another. Runs on one thread for bit-identical weights.
     """
     prompts = [_prompt_ids(row, tokenizer, template) for row in rows]
     problems = [parse(row["prompt"]) for row in rows]
+    answers = [row["answer"] for row in rows]
     lengths = [
         len(prompt) + len(_response_ids(problem, tokenizer))
         for prompt, problem in zip(prompts, problems, strict=True)
     ]
     order_rng, slip_rng = random.Random(seed), random.Random(seed + 1)
+    guess_rng = random.Random(seed + 2)
     batches: list[list[int]] = []
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     ramp = max(1, steps // 20)
@@ -199,7 +208,12 @@ def warm_up(
             if not batches:
                 batches = _length_bucketed_batches(lengths, batch_size, order_rng)
             batch = [
-                (prompts[i], _response_ids(problems[i], tokenizer, slip_rate, slip_rng))
+                (
+                    prompts[i],
+                    _guess_ids(answers[i], tokenizer, guess_rng)
+                    if guess_rate > 0 and guess_rng.random() < guess_rate
+                    else _response_ids(problems[i], tokenizer, slip_rate, slip_rng),
+                )
                 for i in batches.pop()
             ]
             input_ids, labels, attention_mask = _collate(batch, tokenizer.pad_token_id)
@@ -291,6 +305,12 @@ def _response_ids(
     """The worked solution (with slips drawn from ``rng`` at ``slip_rate``), then eos."""
     solution = worked_solution(*problem, slip_rate=slip_rate, rng=rng)[1]
     response = tokenizer(solution, add_special_tokens=False)["input_ids"]
+    return [*response, tokenizer.eos_token_id]
+
+
+def _guess_ids(answer: str, tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> list[int]:
+    """A guessed answer with no working (``synthetic.guessed_solution``), then eos."""
+    response = tokenizer(guessed_solution(answer, rng), add_special_tokens=False)["input_ids"]
     return [*response, tokenizer.eos_token_id]
 
 

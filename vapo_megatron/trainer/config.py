@@ -31,6 +31,8 @@ class ModelSettings:
     """Supervised warm-up steps of the tiny policy, so RL starts from a non-zero pass rate (create_tiny only)."""
     tiny_slip_rate: float = 0.0
     """Fraction of the warm-up's worked lines whose result slips by 1 or 2 (carried on), drawn afresh each use: the policy learns the arithmetic and to slip at about that rate, which RL can remove (create_tiny only)."""
+    tiny_guess_rate: float = 0.0
+    """Fraction of the warm-up's solutions that are a guessed answer with no working (never right): the policy learns to guess that often, and RL to work the problems out instead (create_tiny only)."""
     tiny_num_train: int = 2000
     """Training problems of the tiny task (create_tiny only)."""
     tiny_num_eval: int = 200
@@ -290,11 +292,14 @@ class TrainConfig:
             )
         if self.eval.k < 1:
             raise ValueError(f"eval.k must be >= 1, got {self.eval.k}")
-        if not 0.0 <= self.model.tiny_slip_rate < 1.0:
-            raise ValueError(
-                f"model.tiny_slip_rate={self.model.tiny_slip_rate} must be in [0, 1): the "
-                "fraction of the warm-up's worked lines that slip"
-            )
+        for name, rate, what in (
+            ("tiny_slip_rate", self.model.tiny_slip_rate, "worked lines that slip"),
+            ("tiny_guess_rate", self.model.tiny_guess_rate, "solutions that are guesses"),
+        ):
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(
+                    f"model.{name}={rate} must be in [0, 1): the fraction of the warm-up's {what}"
+                )
         if rollout.temperature <= 0 and algo.samples_per_prompt > 1:
             raise ValueError(
                 f"rollout.temperature={rollout.temperature} is greedy: all "
