@@ -85,18 +85,19 @@ def prepare_assets(config: TrainConfig, *, log=print) -> dict[str, float]:
         log(f"demo: assets reused from {model_dir.parent} ({stamp['note']})")
     else:
         started = time.perf_counter()
-        log(
-            f"demo: building the tiny task and model ({model.tiny_warmup_steps} supervised "
-            f"warm-up steps from random weights) in {model_dir.parent}"
-        )
+        log(f"demo: writing the tiny task in {train_path.parent}")
         for stale in (model_dir, mcore_dir):
             shutil.rmtree(stale, ignore_errors=True)
         make_splits(train_path.parent, model.tiny_num_train, model.tiny_num_eval, model.tiny_seed)
         shipped = shipped_model(config, train_path)
         if shipped is not None:
             shutil.copytree(shipped, model_dir)
-            note = f"warmed-up model copied from {shipped.relative_to(REPO_ROOT)}"
+            note = f"warmed-up model copied from {shipped.relative_to(REPO_ROOT)} (its values)"
         else:
+            log(
+                f"demo: warming up the tiny model ({model.tiny_warmup_steps} supervised steps "
+                f"from random weights; no shipped copy has these values) in {model_dir}"
+            )
             write_tiny_model(
                 model_dir, seed=model.tiny_seed, warmup_steps=model.tiny_warmup_steps,
                 train_path=train_path, template=data.template, slip_rate=model.tiny_slip_rate,
@@ -106,7 +107,7 @@ def prepare_assets(config: TrainConfig, *, log=print) -> dict[str, float]:
         built["assets_seconds"] = time.perf_counter() - started
         note = f"{note} in {built['assets_seconds']:.0f} s"
         stamp_path.write_text(json.dumps({"params": params, "note": note}, indent=2) + "\n")
-        log(f"demo: tiny task and model {note}")
+        log(f"demo: tiny task and model: {note}")
     if not (mcore_dir / "vapo_checkpoint.json").is_file():
         started = time.perf_counter()
         layout = config.policy.layout

@@ -27,13 +27,32 @@ def quiet_dependencies() -> None:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 
+HARMLESS_VLLM_WARNINGS = (
+    "RotaryEmbedding: Failed to load weights",  # each sync: RoPE has no weights to load
+    "doesn't allow to use `torch.set_num_threads`",  # CPU: threads are bound at start-up
+)
+"""vLLM warnings that each step would repeat and that say nothing about the run."""
+
+
+def _drop_harmless_vllm_warnings(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not any(text in message for text in HARMLESS_VLLM_WARNINGS)
+
+
 def setup_logging() -> None:
+    """One line format for every rank; vLLM's per-step INFO notes (prefix-cache resets after
+    each sync) are kept out of the console, so the progress bar and step lines stay readable."""
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
+    # The level reaches vLLM's child loggers; a filter must sit on the handlers, since logger
+    # filters do not see records propagated from children.
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_drop_harmless_vllm_warnings)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

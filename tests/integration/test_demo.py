@@ -1,6 +1,7 @@
 """tools/demo.py and tools/ablate.py end to end: a shortened demo writes every output, shows a
 finished run again and resumes a longer one; a two-preset sweep prints its table and skips
-finished runs; the full demo (slow) gains 15 points of held-out pass rate."""
+finished runs; the full demo (slow) gains 15 points of held-out pass rate, and the shipped
+warmed-up model (slow) is what tools/make_tiny.py rebuilds."""
 
 from __future__ import annotations
 
@@ -122,7 +123,6 @@ def test_short_demo_writes_outputs_shows_and_resumes(assets, tmp_path):
     assert resumed["start"] == "resumed" and resumed["resumed"] is True
 
 
-@pytest.mark.slow  # ~2-3 min; the default run keeps the short demo
 def test_ablate_two_presets_one_seed(assets, tmp_path):
     out_dir = tmp_path / "ablate"
     args = ["--only", "vapo,grpo", "--seeds", "1", "--steps", "2", "--out", str(out_dir),
@@ -143,6 +143,24 @@ def test_ablate_two_presets_one_seed(assets, tmp_path):
     again = run_tool(ABLATE, *args, timeout=120)
     assert again.count("done, skipped") == 2
     assert json.loads((out_dir / "table.json").read_text()) == results
+
+
+@pytest.mark.slow  # ~12 CPU minutes: the 8000-step warm-up on one thread
+def test_shipped_model_regenerates(tmp_path):
+    """tools/make_tiny.py with the shipped model's recorded values writes the same bytes."""
+    shipped = REPO_ROOT / "vapo_megatron" / "data" / "tiny_demo"
+    stamp = json.loads((shipped / "stamp.json").read_text())
+    values = stamp["params"]
+    out = run_tool(
+        REPO_ROOT / "tools" / "make_tiny.py", str(tmp_path / "tiny"),
+        "--seed", str(values["seed"]), "--warmup-steps", str(values["warmup_steps"]),
+        "--slip-rate", str(values["slip_rate"]), "--guess-rate", str(values["guess_rate"]),
+        "--n-train", str(values["n_train"]), "--n-eval", str(values["n_eval"]),
+        "--template", values["template"], timeout=3600,
+    )  # fmt: skip
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["train_sha256"] == stamp["result"]["train_sha256"]
+    assert result["model_sha256"] == stamp["result"]["model_sha256"]
 
 
 @pytest.mark.slow

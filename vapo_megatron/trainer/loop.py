@@ -184,8 +184,10 @@ def train(config: TrainConfig) -> dict:
             run.state["pretrain_done"] = True
             summary["critic_pretrain_steps"] = run.state["pretrain_step"]
             run.save()
+        last_eval = None
         if session.eval is not None and config.eval.at_start and run.state["step"] == 0:
-            metrics_log.log(0, evaluate(session, 0), phase="eval")
+            last_eval = (0, evaluate(session, 0))
+            metrics_log.log(0, last_eval[1], phase="eval")
         while run.state["step"] < config.trainer.steps:
             step = run.state["step"] + 1
             metrics = run_step(session, step, pretrain=False)
@@ -202,12 +204,16 @@ def train(config: TrainConfig) -> dict:
             if preempted:
                 return _preempted(session, run)
             if session.eval is not None and config.eval.every and step % config.eval.every == 0:
-                metrics_log.log(step, evaluate(session, step), phase="eval")
+                last_eval = (step, evaluate(session, step))
+                metrics_log.log(step, last_eval[1], phase="eval")
         if latest_step(run.root) != run._checkpoint_index():
             run.save()
         if session.eval is not None and config.eval.at_end:
-            final = evaluate(session, run.state["step"])
-            metrics_log.log(run.state["step"], final, phase="eval")
+            if last_eval is not None and last_eval[0] == run.state["step"]:
+                final = last_eval[1]  # the last step was just evaluated: not twice
+            else:
+                final = evaluate(session, run.state["step"])
+                metrics_log.log(run.state["step"], final, phase="eval")
             summary["eval"] = final
         if config.trainer.export_hf:
             export_hf(
