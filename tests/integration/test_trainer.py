@@ -121,14 +121,15 @@ def test_layouts(assets, tmp_path, layout):
 
 
 def test_critic_pretraining_raises_explained_variance(assets, tmp_path):
-    """Returns decided by the prompt ("Add ..." +1, "Evaluate ..." -1): a learning critic
-    explains them; the threshold 0.5 fails if the critic's update does nothing useful."""
+    """Returns decided by the prompt (every other prompt starts with "Note: ", +1; the rest -1):
+    a learning critic explains them; the threshold 0.5 fails if the critic's update does
+    nothing useful."""
     rows = [json.loads(line) for line in Path(assets["data.train_path"]).read_text().splitlines()]
     labelled = tmp_path / "labelled.jsonl"
     with labelled.open("w") as f:
-        for row in rows:
-            answer = "1" if row["prompt"].startswith("Add") else "-1"
-            f.write(json.dumps({**row, "answer": answer, "data_source": "label"}) + "\n")
+        for i, row in enumerate(rows):
+            prompt, answer = ("Note: " + row["prompt"], "1") if i % 2 else (row["prompt"], "-1")
+            f.write(json.dumps({"prompt": prompt, "answer": answer, "data_source": "label"}) + "\n")
     run = tmp_path / "run"
     with plugins_on_path():
         run_trainer(
