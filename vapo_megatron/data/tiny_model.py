@@ -305,15 +305,17 @@ def _response_ids(
     rng: random.Random | None = None,
 ) -> list[int]:
     """The worked solution (with slips drawn from ``rng`` at ``slip_rate``), then eos."""
-    solution = worked_solution(*problem, slip_rate=slip_rate, rng=rng)[1]
-    response = tokenizer(solution, add_special_tokens=False)["input_ids"]
-    return [*response, tokenizer.eos_token_id]
+    return _with_eos(worked_solution(*problem, slip_rate=slip_rate, rng=rng)[1], tokenizer)
 
 
 def _guess_ids(answer: str, tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> list[int]:
     """A guessed answer with no working (``synthetic.guessed_solution``), then eos."""
-    response = tokenizer(guessed_solution(answer, rng), add_special_tokens=False)["input_ids"]
-    return [*response, tokenizer.eos_token_id]
+    return _with_eos(guessed_solution(answer, rng), tokenizer)
+
+
+def _with_eos(text: str, tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """The ids of ``text`` (no special tokens added), then eos: a response to train on."""
+    return [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
 
 
 def _length_bucketed_batches(
