@@ -78,14 +78,13 @@ def transport_plan(engine, tp_group):
     """(local shard, gather buffer) of every tensor the stream all-gathers, in its order."""
     import torch.distributed as dist
 
-    from vapo_megatron.models.hf_weights import needs_gather, tp_gathers
+    from vapo_megatron.models.hf_weights import gather_pieces, tp_gathers
 
     tp = dist.get_world_size(tp_group)
     plan = []
     for _, m, local, _ in tp_gathers(engine.chunks, engine.record, engine.config, pp_rank=0):
-        if needs_gather(m, tp):
-            local = local.contiguous()
-            plan.append((local, local.new_empty((tp * local.shape[0], *local.shape[1:]))))
+        for piece in gather_pieces(m, local, tp):
+            plan.append((piece, piece.new_empty((tp * piece.shape[0], *piece.shape[1:]))))
     return plan
 
 
@@ -108,6 +107,7 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
     from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
     from vapo_megatron.rollout.weight_stream import stream_policy_weights
     from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
+    from vapo_megatron.trainer.step import push_policy_weights
 
     torch.set_num_threads(1)
     initialize_megatron_cpu(tp=2)
@@ -145,12 +145,17 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
         for local, full in plan:
             dist.all_gather_into_tensor(full, local, group=tp_group)
 
-    def sync(prefetch=None, buffers=None):
-        return rollout.update_weights(
-            (t for b in stream(buffers) for t in b), bucket_bytes=BUCKET_BYTES, prefetch=prefetch
+    kept = GatherBuffers(limit_bytes=BUCKET_BYTES)  # warm buffers kept from one sync to the next
+
+    def sync(prefetch=None, buffers=kept):
+        """The trainer's sync (trainer/step.py): one pool kept across syncs, the stream's plan."""
+        return push_policy_weights(
+            engine, rollout, bucket_bytes=BUCKET_BYTES, buffers=buffers, prefetch=prefetch
         )
 
-    kept = GatherBuffers(limit_bytes=BUCKET_BYTES)  # warm buffers kept from one sync to the next
+    def sync_before():
+        """The sync before the plan and the kept pool: fresh buffers, no plan."""
+        return rollout.update_weights((t for b in stream() for t in b), bucket_bytes=BUCKET_BYTES)
 
     targets = {k: torch.empty_like(v) for k, v in state.items()}
     timed = {
@@ -160,17 +165,19 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
         "engine": best_of(lambda: rollout.update_weights(state.items(), bucket_bytes=BUCKET_BYTES)),
         "prefetch": best_of(lambda: sync(prefetch=True)),
         "sync": best_of(sync),
-        "sync_kept": best_of(lambda: sync(buffers=kept)),
+        "sync_fresh": best_of(lambda: sync(buffers=None)),
+        "sync_before": best_of(sync_before),
     }
     targets.clear()
     peak_extra = max(sync_peak(rollout, sync) for _ in range(3))
-    peak_kept = max(sync_peak(rollout, lambda: sync(buffers=kept)) for _ in range(3))
+    peak_fresh = max(sync_peak(rollout, lambda: sync(buffers=None)) for _ in range(3))
+    peak_before = max(sync_peak(rollout, sync_before) for _ in range(3))
     stats = timed["sync"][1]
     # The synced engine must hold the Megatron weights: it generates after the sync.
     rollout.generate([[1, 2, 3]], n=1, temperature=0.0, max_new_tokens=2)
     per_rank = [None] * dist.get_world_size()
     mine = dict(
-        peak=peak_extra, peak_kept=peak_kept, kept=kept.nbytes(),
+        peak=peak_extra, peak_fresh=peak_fresh, peak_before=peak_before, kept=kept.nbytes(),
         cpu={k: v[2] for k, v in timed.items()},
     )  # fmt: skip
     dist.all_gather_object(per_rank, mine)
@@ -180,7 +187,8 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
             start_s=start_s, bucket_bytes=BUCKET_BYTES, num_buckets=stats.num_buckets,
             sync_load_s=stats.load_seconds, sync_wait_s=stats.wait_seconds,
             peak_extra_bytes=[r["peak"] for r in per_rank], cpu=[r["cpu"] for r in per_rank],
-            peak_kept_bytes=[r["peak_kept"] for r in per_rank],
+            peak_fresh_bytes=[r["peak_fresh"] for r in per_rank],
+            peak_before_bytes=[r["peak_before"] for r in per_rank],
             kept_bytes=[r["kept"] for r in per_rank],
             load_average=os.getloadavg()[0],
             **{f"{k}_s": v[0] for k, v in timed.items()},
@@ -208,6 +216,14 @@ def launch(engine_tp: int, quick: bool, extra_env: dict[str, str] | None = None)
     return json.loads(line.removeprefix("RESULT "))
 
 
+def one_core_bound(r: dict) -> float:
+    """The best fraction_of_transport any overlap could reach with one core per rank: a sync
+    does at least the transport's and the engine's CPU work, on the rank's one core, and
+    lasts at least as long as the transport (CPU seconds from this run, the busier rank)."""
+    work = max(r["transport_s"] * c["transport"] + r["engine_s"] * c["engine"] for c in r["cpu"])
+    return r["transport_s"] / max(r["transport_s"], work)
+
+
 def report(r: dict) -> None:
     gb = r["bytes"] / 1e9
     tp = r["engine_tp"]
@@ -218,40 +234,54 @@ def report(r: dict) -> None:
         f"({r['num_buckets']} messages), both ranks at once"
     )
     print(
-        f"{'path':>42} {'seconds':>8} {'GB/s':>7} {'of memcpy':>10} {'of sync':>8} "
+        f"{'path':>50} {'seconds':>8} {'GB/s':>7} {'of memcpy':>10} {'of sync':>8} "
         f"{'CPU/wall per rank':>18}"
     )
     rows = [
         ("memcpy of the same bytes", "memcpy"),
         (f"transport ({r['transport_bytes'] / 1e6:.0f} MB all-gathered/rank)", "transport"),
-        ("stream alone (gather + conversion)", "stream"),
+        ("stream alone (gather + conversion, fresh buffers)", "stream"),
         ("engine load alone (HF tensors)", "engine"),
-        ("sync, stream one message ahead (prefetch)", "prefetch"),
-        ("sync end to end (default: serial on CPU)", "sync"),
+        ("sync as the trainer runs it (serial on CPU)", "sync"),
         ("  of which inside the engine's loaders", "sync_load"),
         ("  of which producing the stream", "sync_wait"),
-        ("sync, gather buffers kept across syncs", "sync_kept"),
+        ("sync, stream one message ahead (prefetch)", "prefetch"),
+        ("sync, fresh buffers per sync", "sync_fresh"),
+        ("sync, fresh buffers and no plan (before)", "sync_before"),
     ]
     for name, key in rows:
         seconds = r[f"{key}_s"]
         cpu = " ".join(f"{c[key]:.2f}" for c in r["cpu"]) if key in r["cpu"][0] else ""
         print(
-            f"{name:>42} {seconds:8.3f} {gb / seconds:7.2f} {r['memcpy_s'] / seconds:10.3f} "
+            f"{name:>50} {seconds:8.3f} {gb / seconds:7.2f} {r['memcpy_s'] / seconds:10.3f} "
             f"{seconds / r['sync_s']:8.3f} {cpu:>18}"
         )
     print(
         f"fraction_of_transport {r['transport_s'] / r['sync_s']:.3f} (with prefetch: "
-        f"{r['transport_s'] / r['prefetch_s']:.3f}); load average {r['load_average']:.1f}"
+        f"{r['transport_s'] / r['prefetch_s']:.3f}; fresh buffers: "
+        f"{r['transport_s'] / r['sync_fresh_s']:.3f}; before: "
+        f"{r['transport_s'] / r['sync_before_s']:.3f}); best any overlap could reach with one "
+        f"core per rank: {one_core_bound(r):.3f}; load average {r['load_average']:.1f}"
     )
-    peaks = ", ".join(
-        f"{p / 1e6:.0f} MB = {p / r['bucket_bytes']:.2f} buckets" for p in r["peak_extra_bytes"]
+
+    print(memory_lines(r))
+
+
+def in_buckets(values: list[int], bucket_bytes: int) -> str:
+    return ", ".join(f"{v / 1e6:.0f} MB = {v / bucket_bytes:.2f} buckets" for v in values)
+
+
+def memory_lines(r: dict) -> str:
+    """Peak extra memory of a sync per rank, for the trainer's way and the two others."""
+    b = r["bucket_bytes"]
+    kept = ", ".join(f"{k / 1e6:.0f} MB" for k in r["kept_bytes"])
+    return (
+        f"peak extra memory of a sync per rank, as the trainer runs it: "
+        f"{in_buckets(r['peak_extra_bytes'], b)}\n"
+        f"  plus the gather buffers it keeps between syncs: {kept}\n"
+        f"  fresh buffers per sync (nothing kept): {in_buckets(r['peak_fresh_bytes'], b)}\n"
+        f"  fresh buffers and no plan (before): {in_buckets(r['peak_before_bytes'], b)}"
     )
-    print(f"peak extra memory of a sync per rank: {peaks}")
-    kept = ", ".join(
-        f"{p / 1e6:.0f} MB + {k / 1e6:.0f} MB kept = {(p + k) / r['bucket_bytes']:.2f} buckets"
-        for p, k in zip(r["peak_kept_bytes"], r["kept_bytes"], strict=True)
-    )
-    print(f"  with buffers kept across syncs: {kept}")
 
 
 def projection(r: dict) -> None:
@@ -283,13 +313,8 @@ def run(quick: bool = False) -> None:
     live = launch(main["engine_tp"], quick, LIVE_MEMORY_ENV)
     print(
         f"\nvLLM TP={main['engine_tp']} again with {LIVE_MEMORY_ENV} (freed blocks >= 1 MB go "
-        "back to the OS at once, so the peak counts live data, not glibc's retained heap): "
-        "peak extra memory of a sync per rank "
-        + ", ".join(
-            f"{p / 1e6:.0f} MB = {p / live['bucket_bytes']:.2f} buckets"
-            for p in live["peak_extra_bytes"]
-        )
-        + f"; sync {live['sync_s']:.3f} s, transport {live['transport_s']:.3f} s"
+        "back to the OS at once, so the peaks count live data, not glibc's retained heap; sync "
+        f"{live['sync_s']:.3f} s, transport {live['transport_s']:.3f} s):\n" + memory_lines(live)
     )
     projection(main)
     gb = main["bytes"] / 1e9
@@ -301,10 +326,14 @@ def run(quick: bool = False) -> None:
                 "gbps": round(gb / main["sync_s"], 3),
                 "fraction_of_transport": round(main["transport_s"] / main["sync_s"], 3),
                 "fraction_of_memcpy": round(main["memcpy_s"] / main["sync_s"], 3),
+                "fraction_bound_one_core": round(one_core_bound(main), 3),
                 "peak_extra_buckets": round(
                     max(main["peak_extra_bytes"]) / main["bucket_bytes"], 2
                 ),
                 "peak_live_buckets": round(max(live["peak_extra_bytes"]) / live["bucket_bytes"], 2),
+                "peak_live_fresh_buckets": round(
+                    max(live["peak_fresh_bytes"]) / live["bucket_bytes"], 2
+                ),
             }
         )
     )

@@ -96,3 +96,51 @@ def test_rejects_bad_inputs():
         list(iter_buckets(named(1), 8, dtype=torch.int32))
     with pytest.raises(TypeError, match="'x': expected a torch.Tensor"):
         list(iter_buckets([("x", [1.0, 2.0])], 8))
+
+
+def plan_of(tensors):
+    return [(name, torch.empty(t.shape, dtype=t.dtype, device="meta")) for name, t in tensors]
+
+
+def test_a_plan_closes_a_bucket_before_pulling_the_tensor_that_does_not_fit():
+    consumed = []
+    tensors = named(5, 5, 5, 12, 1)  # 20, 20, 20, 48, 4 bytes
+
+    def stream():
+        for item in tensors:
+            consumed.append(item[0])
+            yield item
+
+    buckets = iter_buckets(stream(), 40, plan=plan_of(tensors))
+    assert names([next(buckets)]) == [["t0", "t1"]]
+    assert consumed == ["t0", "t1"]  # t2 is not produced while the bucket is held
+    assert names([next(buckets)]) == [["t2"]]
+    assert consumed == ["t0", "t1", "t2"]
+    assert names(buckets) == [["t3"], ["t4"]]  # the oversized t3 alone, as without a plan
+    # Same buckets as without a plan, for any bound.
+    for bound in (1, 20, 40, 64, 1 << 20):
+        assert names(iter_buckets(tensors, bound, plan=plan_of(tensors))) == names(
+            iter_buckets(tensors, bound)
+        )
+
+
+def test_a_plan_counts_sizes_after_the_cast():
+    tensors = [("w", torch.randn(6)), ("ids", torch.arange(3)), ("v", torch.randn(6))]
+    buckets = list(iter_buckets(tensors, 36, dtype=torch.bfloat16, plan=plan_of(tensors)))
+    assert names(buckets) == [["w", "ids"], ["v"]]
+    assert buckets[0][0][1].dtype == torch.bfloat16
+
+
+def test_a_stream_that_departs_from_its_plan_is_refused():
+    tensors = named(2, 3, 4)
+    plan = plan_of(tensors)
+    with pytest.raises(ValueError, match="'t1' .* where the plan lists 't2'"):
+        list(iter_buckets([tensors[0], tensors[1]], 64, plan=[plan[0], plan[2]]))
+    with pytest.raises(ValueError, match=r"where the plan lists 't1' \(3,\)"):
+        list(iter_buckets([tensors[0], ("t1", torch.zeros(5))], 64, plan=plan[:2]))
+    with pytest.raises(ValueError, match="torch.float64 where the plan lists 't0'"):
+        list(iter_buckets([("t0", torch.zeros(2, dtype=torch.float64))], 64, plan=plan[:1]))
+    with pytest.raises(ValueError, match="ended before 't2'"):
+        list(iter_buckets(tensors[:2], 64, plan=plan))
+    with pytest.raises(ValueError, match="'t2' comes after the last tensor of the plan"):
+        list(iter_buckets(tensors, 64, plan=plan[:2]))

@@ -141,13 +141,15 @@ def gather_hf_weights(
     With ``only_to_tp_rank``, shards are gathered to that member of the TP group alone, and
     only it yields tensors (the others yield nothing; their iteration only sends shards).
 
-    Gathering to every rank, each split tensor is all-gathered into one pooled buffer
-    (``buffers``; if None, a new pool that keeps no free buffer past the next allocation) and converted into HF tensors by views where the layout
-    allows (the vocabulary trim: the embedding and LM head are views of the gathered buffer)
-    and by one copy into a pooled buffer where it does not (q/k/v out of the per-group fused
-    rows, gate/up out of the per-rank halves, row-parallel shards side by side). Replicated
-    tensors are the parameters themselves, as before. A yielded tensor may share its storage
-    with the others of the same Megatron tensor (gate and up): clone it to keep it apart.
+    Gathering to every rank, each split tensor is all-gathered into a pooled buffer
+    (``buffers``; if None, a new pool that keeps no free buffer past the next allocation) and
+    turned into HF tensors by views where the layout allows (the vocabulary trim: the embedding
+    and LM head are views of the gathered buffer), by gathering its pieces apart (fc1's gate and
+    up halves, each straight into its HF tensor), and by one copy into a pooled buffer where
+    neither works (q/k/v out of the per-group fused rows, row-parallel shards side by side).
+    Replicated tensors are the parameters themselves. A yielded tensor may share its storage
+    with the others of the same Megatron tensor (q, k and v with one KV head): clone it to keep
+    it apart.
     """
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
@@ -181,8 +183,8 @@ def tp_gathers(
     pp_rank: int,
 ) -> Iterator[tuple[str, TensorMap, torch.Tensor, ModelChunk]]:
     """(Megatron name, map, local tensor, chunk) of every tensor this pipeline rank exports, in
-    the stream's order (the bench replays its all-gathers); ``needs_gather`` tells which ones
-    are all-gathered."""
+    the stream's order (the bench replays its all-gathers); ``gather_pieces`` tells what is
+    all-gathered of each."""
     for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
         params = dict(unwrap_model(model).named_parameters())
         for name, m in record.tensor_maps(chunk).items():
@@ -190,25 +192,38 @@ def tp_gathers(
                 yield name, m, params[name].detach(), chunk
 
 
-def needs_gather(m: TensorMap, tp_size: int) -> bool:
-    """Whether the stream all-gathers this tensor over TP (one ``all_gather_into_tensor``
-    from the contiguous local shard into a [tp_size * rows, ...] buffer)."""
-    return tp_size > 1 and m.split is not Split.REPLICATED
+def gather_pieces(m: TensorMap, local: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
+    """The contiguous pieces of this rank's shard ``local`` that the stream all-gathers over
+    TP, one ``all_gather_into_tensor`` each into a [tp_size * rows, ...] buffer, in order: none
+    for replicated tensors or at TP = 1; fc1's gate and up halves apart (each gathers straight
+    into its HF tensor); any other split tensor whole."""
+    if tp_size == 1 or m.split is Split.REPLICATED:
+        return []
+    local = local.contiguous()
+    if m.split is Split.GATE_UP:  # this rank's [gate_r; up_r]
+        return list(local.chunk(2))
+    return [local]
 
 
 def _all_gather_hf_weights(models, record, config, tp_group, tp_size, pp_rank, buffers):
     """``gather_hf_weights`` to every rank of the TP group, through ``buffers``."""
+
+    def gathered(piece: torch.Tensor) -> torch.Tensor:
+        full = buffers.take((tp_size * piece.shape[0], *piece.shape[1:]), piece.dtype, piece.device)
+        dist.all_gather_into_tensor(full, piece, group=tp_group)
+        return full
+
     for name, m, local, chunk in tp_gathers(models, record, config, pp_rank=pp_rank):
+        pieces = gather_pieces(m, local, tp_size)
         if m.split is Split.REPLICATED:  # the parameter itself, as the record gives it
             yield from record.megatron_to_hf(name, [local] * tp_size, chunk)
-        elif not needs_gather(m, tp_size):  # TP=1: converted out of the parameter
+        elif not pieces:  # TP=1: converted out of the parameter
             yield from _hf_tensors(record, m, local, 1, buffers, owned=False)
+        elif m.split is Split.GATE_UP:  # rank r's gate half is the r-th row block of HF gate
+            for hf_name, piece in zip(m.hf_names, pieces, strict=True):
+                yield hf_name, gathered(piece)
         else:
-            local = local.contiguous()
-            shape = (tp_size * local.shape[0], *local.shape[1:])
-            full = buffers.take(shape, local.dtype, local.device)
-            dist.all_gather_into_tensor(full, local, group=tp_group)
-            yield from _hf_tensors(record, m, full, tp_size, buffers, owned=True)
+            yield from _hf_tensors(record, m, gathered(pieces[0]), tp_size, buffers, owned=True)
 
 
 def _hf_tensors(

@@ -354,6 +354,7 @@ class RolloutEngine:
         *,
         bucket_bytes: int | None = None,
         prefetch: bool | None = None,
+        plan: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> WeightUpdateStats:
         """Load full HF-named tensors into the engine, one bucket per message.
 
@@ -377,6 +378,12 @@ class RolloutEngine:
         stream is consumed in this thread, one full bucket per message. Default (None): off on
         CPU, where the two ranks' threads already keep both cores busy and overlap measured
         slower than serial (docs/rollout.md, benchmark), on elsewhere (not measured on a GPU).
+
+        ``plan``: the (name, tensor) of every item ``named_tensors`` will yield, in order (meta
+        tensors will do; ``weight_stream.stream_plan`` for the policy stream). A message is then
+        sent before the tensor that would overflow it is pulled from ``named_tensors`` (for the
+        weight stream: before it is gathered), so a rank holds one message, not one message plus
+        the next tensor. Without it the tensor that closes a message is produced first.
         """
         bucket_bytes = bucket_bytes or self.config.weight_bucket_bytes
         if prefetch is None:
@@ -391,7 +398,7 @@ class RolloutEngine:
         try:
             self.llm.collective_rpc("start_weight_update")
             detached = ((name, tensor.detach()) for name, tensor in named_tensors)
-            buckets = iter_buckets(detached, message_bytes, dtype=dtype)
+            buckets = iter_buckets(detached, message_bytes, dtype=dtype, plan=plan)
             with Prefetcher(buckets) if prefetch else _Inline(buckets) as messages:
                 for bucket in messages:
                     loading = time.perf_counter()

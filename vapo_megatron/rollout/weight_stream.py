@@ -36,6 +36,19 @@ def _stage_plan(record: ModelRecord, config: TransformerConfig, stage: int, dtyp
                 yield name, torch.empty(record.hf_shape(name), dtype=dtype, device="meta")
 
 
+def stream_plan(
+    record: ModelRecord, config: TransformerConfig, *, pp_size: int
+) -> list[NamedTensor]:
+    """(HF name, meta tensor) of every tensor ``stream_policy_weights`` yields, in its order,
+    with ``pp_size`` pipeline stages (the same on every receiving rank). Passed to the engine's
+    ``update_weights(plan=)``, it lets a bucket close before the tensor that does not fit is
+    gathered."""
+    dtype = config.params_dtype
+    return [
+        named for stage in range(pp_size) for named in _stage_plan(record, config, stage, dtype)
+    ]
+
+
 def stream_policy_weights(
     models: list[torch.nn.Module],
     record: ModelRecord,

@@ -11,12 +11,13 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from vapo_megatron.algorithms.losses import explained_variance, explained_variance_stats
 from vapo_megatron.data.packing import Sample
-from vapo_megatron.rollout.weight_stream import stream_policy_weights
+from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
 from vapo_megatron.trainer import advantage_phase as adv
 from vapo_megatron.trainer.batching import FLAT_INDEX, build_samples, response_offsets
 from vapo_megatron.trainer.loss_fns import (
@@ -38,6 +39,11 @@ from vapo_megatron.trainer.scoring import score_flat
 from vapo_megatron.trainer.session import Session
 from vapo_megatron.trainer.updates import train_on
 
+if TYPE_CHECKING:
+    from vapo_megatron.models.hf_weights import GatherBuffers
+    from vapo_megatron.rollout.engine import RolloutEngine, WeightUpdateStats
+    from vapo_megatron.trainer.model_engine import ModelEngine
+
 logger = logging.getLogger("vapo_megatron")
 
 
@@ -55,22 +61,45 @@ class Timer:
 
 
 def sync_weights(session: Session) -> dict[str, float]:
-    """Stream the policy's weights into the rollout engine replicas: every rank receives every
-    full HF tensor, in process, and its part of its replica keeps its vLLM TP slice.
+    """Stream the policy's weights into the rollout engine replicas (``push_policy_weights``).
 
     The engine's weights are woken first and its KV cache after, so the buckets in flight never
     share the device with the KV cache (the engine raises on any other order). On CPU vLLM has
     no sleep mode: only the order is checked."""
-    policy, rollout = session.policy, session.rollout
-    rollout.wake_up(["weights"])
+    session.rollout.wake_up(["weights"])
+    stats = push_policy_weights(
+        session.policy, session.rollout,
+        bucket_bytes=session.config.rollout.weight_bucket_bytes, buffers=session.sync_buffers,
+    )  # fmt: skip
+    session.rollout.wake_up(["kv_cache"])
+    return {"sync/gb": stats.num_bytes / 1e9, "sync/buckets": stats.num_buckets}
+
+
+def push_policy_weights(
+    policy: ModelEngine,
+    rollout: RolloutEngine,
+    *,
+    bucket_bytes: int,
+    buffers: GatherBuffers | None = None,
+    prefetch: bool | None = None,
+) -> WeightUpdateStats:
+    """Every rank receives every full HF tensor of the policy, in process, and its part of its
+    engine replica keeps its vLLM TP slice; ``bucket_bytes`` bounds the stream's PP messages
+    and the engine's messages. The stream's plan lets each message go before the next tensor
+    is gathered (one message in flight per rank); ``buffers`` kept across calls start each sync
+    with warm gather buffers. ``prefetch``: see ``RolloutEngine.update_weights``. Collective
+    over the policy's TP and PP groups."""
     buckets = stream_policy_weights(
         policy.chunks, policy.record, policy.config,
         tp_group=policy.groups.parallel.tp, pp_group=policy.groups.parallel.pp,
-        bucket_bytes=session.config.rollout.weight_bucket_bytes,
+        bucket_bytes=bucket_bytes, buffers=buffers,
     )  # fmt: skip
-    stats = rollout.update_weights(named for bucket in buckets for named in bucket)
-    rollout.wake_up(["kv_cache"])
-    return {"sync/gb": stats.num_bytes / 1e9, "sync/buckets": stats.num_buckets}
+    return rollout.update_weights(
+        (named for bucket in buckets for named in bucket),
+        bucket_bytes=bucket_bytes,
+        prefetch=prefetch,
+        plan=stream_plan(policy.record, policy.config, pp_size=policy.layout.pp),
+    )
 
 
 def collect_rollouts(

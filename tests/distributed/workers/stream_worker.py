@@ -15,7 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
-from vapo_megatron.rollout.weight_stream import stream_policy_weights
+from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
 from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
 
 BUCKET = 64 * 1024
@@ -38,6 +38,10 @@ def main() -> None:
             initialize_megatron_cpu(tp=tp, pp=pp)
             engine = ModelEngine(hf, ModelLayout(tp=tp, pp=pp), head="lm", optim=OptimSettings())
             engine.load_hf(reference)
+            plan = [
+                (name, tuple(meta.shape), meta.dtype)
+                for name, meta in stream_plan(engine.record, engine.config, pp_size=pp)
+            ]
             # One receiver serves one model replica: only that replica streams to it.
             for receiver in (None, 0) if ps.get_data_parallel_rank() == 0 else (None,):
                 names = []
@@ -51,12 +55,14 @@ def main() -> None:
                     assert size <= BUCKET or len(bucket) == 1, (size, len(bucket))
                     for name, tensor in bucket:
                         assert torch.equal(tensor, reference[name]), name
+                        assert plan[len(names)] == (name, tuple(tensor.shape), tensor.dtype)
                         names.append(name)
                 if receiver is not None and dist.get_rank() != receiver:
                     assert names == [], f"rank {dist.get_rank()} received {len(names)} tensors"
                     continue
                 assert sorted(names) == sorted(reference), set(names) ^ set(reference)
                 assert len(names) == len(set(names))
+                assert len(names) == len(plan), "the stream yields every tensor of its plan"
                 who = "every rank" if receiver is None else f"receiver {receiver} only"
                 print(
                     f"rank {dist.get_rank()}: tie={tie} TP{tp}xPP{pp} to {who}: {len(names)} tensors exact"

@@ -30,6 +30,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from vapo_megatron.algorithms.presets import algo_preset
 from vapo_megatron.data.packing import Sample, pad
 from vapo_megatron.models.config import HFModelConfig
+from vapo_megatron.models.hf_weights import GatherBuffers
 from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.cpu_shim import initialize_megatron_cpu
 from vapo_megatron.parallel.reductions import global_loss_normalisers
@@ -38,6 +39,7 @@ from vapo_megatron.rollout.sleep_state import EngineStateError
 from vapo_megatron.rollout.weight_stream import stream_policy_weights
 from vapo_megatron.trainer.loss_fns import logprob_scoring_fn, policy_loss_fn
 from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
+from vapo_megatron.trainer.step import push_policy_weights
 
 VOCAB = 300
 CONFIG = Qwen2Config(
@@ -86,14 +88,14 @@ def unrotate(rows: list, replica: int) -> list:
     return rows[len(rows) - r :] + rows[: len(rows) - r]
 
 
+SYNC_BUFFERS = GatherBuffers(limit_bytes=256 * 1024)
+
+
 def sync(engine: ModelEngine, rollout: RolloutEngine, bucket_bytes: int = 256 * 1024):
-    """Stream the policy into this rank's engine (every rank receives every tensor)."""
-    buckets = stream_policy_weights(
-        engine.chunks, engine.record, engine.config,
-        tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
-        bucket_bytes=bucket_bytes,
-    )  # fmt: skip
-    return rollout.update_weights(named for bucket in buckets for named in bucket)
+    """Stream the policy into this rank's engine the trainer's way (every rank receives every
+    tensor; small messages, so that layers and q/k/v fall across message boundaries; one pool
+    of gather buffers kept across syncs)."""
+    return push_policy_weights(engine, rollout, bucket_bytes=bucket_bytes, buffers=SYNC_BUFFERS)
 
 
 def greedy(rollout: RolloutEngine):
