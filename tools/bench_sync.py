@@ -2,26 +2,29 @@
 
 Two ranks hold a synthetic Qwen2-shaped policy (~310 MB in fp32) at Megatron TP=2 and host
 vLLM engines inside the job (external_launcher): at vLLM TP=1 one replica per rank, at vLLM
-TP=2 one replica over both ranks. The sync (TP gather -> HF tensors -> buckets -> engine) runs
+TP=2 one replica over both ranks. The sync (TP gather -> HF tensors -> messages -> engine) runs
 on both ranks at once. From the same run, best of 3 each:
 
 - transport: the same bytes through the same collectives (the stream's own all-gathers, one
-  ``all_gather_into_tensor`` per TP-split Megatron tensor, in the stream's order, into
+  ``all_gather_into_tensor`` per piece ``gather_pieces`` names, in the stream's order, into
   preallocated buffers), nothing else: the floor for any sync on this machine;
-- stream: the weight stream alone (gathers + conversion to HF tensors);
+- stream: the weight stream alone (gathers + conversion to HF tensors, fresh buffers);
 - engine: the engine's load alone, from HF tensors already in memory;
-- sync: the end-to-end ``update_weights(stream, bucket_bytes)`` as the trainer runs it (on
-  CPU: serial), split into the time inside the engine's loaders and the time producing the
-  stream; and the same sync with the stream produced one message ahead in a thread
-  (``prefetch=True``);
+- sync: ``push_policy_weights`` as the trainer runs it (trainer/step.py: the stream's plan,
+  one pool of gather buffers kept across syncs, serial on CPU), split into the time inside the
+  engine's loaders and the time producing the stream; the same with the stream produced one
+  message ahead in a thread (``prefetch=True``); with fresh buffers per sync; and as it was
+  before the plan and the kept pool;
 - memcpy: ``Tensor.copy_`` of the model's HF tensors (the same bytes) on both ranks at once.
 
 Each timed path also reports the CPU time of the rank's process (all its threads) over the
 wall time: near 1.0 a rank's core was busy throughout (1 thread per rank on 2 cores), and
-overlap cannot gain. Peak extra memory of a sync per rank: VmHWM during one sync minus VmRSS
-before it, in bytes and in buckets (``bucket_bytes``, the bound on weight bytes in flight);
-the main topology is launched once more under a fixed glibc mmap threshold, whose peak counts
-the data alive at once rather than what glibc keeps resident after frees.
+overlap cannot gain; from these, the best fraction any overlap could reach with one core per
+rank. Peak extra memory of a sync per rank: VmHWM during one sync minus VmRSS before it, in
+bytes and in buckets (``bucket_bytes``, the bound on weight bytes in flight), with the pool
+the trainer keeps between syncs named apart; the main topology is launched once more under a
+fixed glibc mmap threshold, whose peaks count the data alive at once rather than what glibc
+keeps resident after frees.
 
 ``fraction_of_transport = transport_seconds / sync_seconds`` is our overhead over the
 transport (target >= 0.8); ``fraction_of_memcpy = memcpy_seconds / sync_seconds``. The
@@ -52,7 +55,7 @@ BUCKET_BYTES = 64 << 20
 # returns them at once, so a peak measured under it is the data alive at once.
 LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 ENGINE_TPS = (1, 2)
-QWEN32B_BF16_BYTES = 65.5e9  # 32.8B parameters in bf16
+QWEN32B = dict(hidden=5120, heads=40, kv_heads=8, head_dim=128, ffn=27648, layers=64, vocab=152064)
 H100_HBM_COPY_GBPS = 1500.0  # device-to-device copy, read + write counted once (3 TB/s moved)
 H100_NVLINK_GBPS = 450.0  # per direction, NVLink 4
 H100_TP = 8  # Megatron TP = vLLM TP = 8: one engine replica per node
@@ -284,24 +287,44 @@ def memory_lines(r: dict) -> str:
     )
 
 
+def qwen32b_bytes() -> tuple[float, float]:
+    """(all bytes, bytes the stream copies to build HF tensors) of Qwen2.5-32B in bf16 (untied
+    embeddings, QKV bias): q/k/v and the row-parallel o_proj and down_proj are copied; the
+    embedding and LM head are views, gate/up are gathered straight into their HF tensors, the
+    norms are the parameters."""
+    c = QWEN32B
+    q, kv = c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
+    qkv = (q + 2 * kv) * (c["hidden"] + 1)
+    copied = qkv + q * c["hidden"] + c["ffn"] * c["hidden"]  # + o_proj + down_proj
+    layer = copied + 2 * c["ffn"] * c["hidden"] + 2 * c["hidden"]  # + gate/up + norms
+    total = c["layers"] * layer + 2 * c["vocab"] * c["hidden"] + c["hidden"]
+    return 2.0 * total, 2.0 * c["layers"] * copied
+
+
 def projection(r: dict) -> None:
     """Qwen2.5-32B bf16 on one 8-H100 node: Megatron TP=8 and one vLLM TP=8 replica."""
-    gather_s = QWEN32B_BF16_BYTES * (H100_TP - 1) / H100_TP / (H100_NVLINK_GBPS * 1e9)
-    convert_s = QWEN32B_BF16_BYTES / (H100_HBM_COPY_GBPS * 1e9)
+    model_bytes, copied_bytes = qwen32b_bytes()
+    gather_s = model_bytes * (H100_TP - 1) / H100_TP / (H100_NVLINK_GBPS * 1e9)
+    convert_s = copied_bytes / (H100_HBM_COPY_GBPS * 1e9)
     # The engine keeps its 1/TP slice of each tensor; per kept byte it is as slow relative to
     # a memcpy as measured here (CPU: dominated by oneDNN repacking, absent on GPU: pessimistic).
     per_kept_byte = (r["memcpy_s"] / r["engine_tp"]) / r["sync_load_s"]
-    engine_s = QWEN32B_BF16_BYTES / H100_TP / (per_kept_byte * H100_HBM_COPY_GBPS * 1e9)
-    total = gather_s + convert_s + engine_s
+    engine_s = model_bytes / H100_TP / (per_kept_byte * H100_HBM_COPY_GBPS * 1e9)
+    serial = gather_s + convert_s + engine_s
+    # Prefetch: the engine loads message k while message k+1 is gathered (NCCL on its own
+    # stream), so at best the sync lasts as long as the longer of the two.
+    overlapped = max(gather_s + convert_s, engine_s)
     print(
-        f"\nprojection, Qwen2.5-32B bf16 ({QWEN32B_BF16_BYTES / 1e9:.1f} GB) on 8 H100s, Megatron "
+        f"\nprojection, Qwen2.5-32B bf16 ({model_bytes / 1e9:.1f} GB) on 8 H100s, Megatron "
         f"TP=8 -> one vLLM TP=8 replica in the same ranks, every rank receiving the full model "
         f"in process: all-gather {gather_s:.3f} s (7/8 of the bytes at {H100_NVLINK_GBPS:.0f} "
-        f"GB/s NVLink per direction) + record conversion {convert_s:.3f} s (one HBM copy at "
+        f"GB/s NVLink per direction) + conversion {convert_s:.3f} s (the "
+        f"{copied_bytes / model_bytes:.0%} of the bytes the stream copies, at "
         f"{H100_HBM_COPY_GBPS:.0f} GB/s) + engine {engine_s:.3f} s (1/8 slice at "
         f"{per_kept_byte:.2f} x HBM copy, the CPU engine's measured rate per kept byte) = "
-        f"{total:.2f} s per sync, fraction_of_transport {gather_s / total:.2f}; not measured "
-        "on a GPU"
+        f"{serial:.2f} s per sync serial, fraction_of_transport {gather_s / serial:.2f}; with "
+        f"prefetch at best {overlapped:.2f} s, fraction {gather_s / overlapped:.2f}; not "
+        "measured on a GPU"
     )
 
 
