@@ -11,10 +11,10 @@ on both ranks at once. From the same run, best of 3 each:
 - stream: the weight stream alone (gathers + conversion to HF tensors, fresh buffers);
 - engine: the engine's load alone, from HF tensors already in memory;
 - sync: ``push_policy_weights`` as the trainer runs it (trainer/step.py: the stream's plan,
-  one pool of gather buffers kept across syncs, serial on CPU), split into the time inside the
+  a pool of gather buffers of its own, serial on CPU), split into the time inside the
   engine's loaders and the time producing the stream; the same with the stream produced one
-  message ahead in a thread (``prefetch=True``); with fresh buffers per sync; and as it was
-  before the plan and the kept pool;
+  message ahead in a thread (``prefetch=True``); with one pool kept across syncs (warm
+  buffers); and as it was before the plan (fresh buffers, no plan);
 - memcpy: ``Tensor.copy_`` of the model's HF tensors (the same bytes) on both ranks at once.
 
 Each timed path also reports the CPU time of the rank's process (all its threads) over the
@@ -150,8 +150,8 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
 
     kept = GatherBuffers(limit_bytes=BUCKET_BYTES)  # warm buffers kept from one sync to the next
 
-    def sync(prefetch=None, buffers=kept):
-        """The trainer's sync (trainer/step.py): one pool kept across syncs, the stream's plan."""
+    def sync(prefetch=None, buffers=None):
+        """The trainer's sync (trainer/step.py): the stream's plan, a pool of its own per sync."""
         return push_policy_weights(
             engine, rollout, bucket_bytes=BUCKET_BYTES, buffers=buffers, prefetch=prefetch
         )
@@ -168,19 +168,19 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
         "engine": best_of(lambda: rollout.update_weights(state.items(), bucket_bytes=BUCKET_BYTES)),
         "prefetch": best_of(lambda: sync(prefetch=True)),
         "sync": best_of(sync),
-        "sync_fresh": best_of(lambda: sync(buffers=None)),
+        "sync_kept": best_of(lambda: sync(buffers=kept)),
         "sync_before": best_of(sync_before),
     }
     targets.clear()
     peak_extra = max(sync_peak(rollout, sync) for _ in range(3))
-    peak_fresh = max(sync_peak(rollout, lambda: sync(buffers=None)) for _ in range(3))
+    peak_kept = max(sync_peak(rollout, lambda: sync(buffers=kept)) for _ in range(3))
     peak_before = max(sync_peak(rollout, sync_before) for _ in range(3))
     stats = timed["sync"][1]
     # The synced engine must hold the Megatron weights: it generates after the sync.
     rollout.generate([[1, 2, 3]], n=1, temperature=0.0, max_new_tokens=2)
     per_rank = [None] * dist.get_world_size()
     mine = dict(
-        peak=peak_extra, peak_fresh=peak_fresh, peak_before=peak_before, kept=kept.nbytes(),
+        peak=peak_extra, peak_kept=peak_kept, peak_before=peak_before, kept=kept.nbytes(),
         cpu={k: v[2] for k, v in timed.items()},
     )  # fmt: skip
     dist.all_gather_object(per_rank, mine)
@@ -190,7 +190,7 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
             start_s=start_s, bucket_bytes=BUCKET_BYTES, num_buckets=stats.num_buckets,
             sync_load_s=stats.load_seconds, sync_wait_s=stats.wait_seconds,
             peak_extra_bytes=[r["peak"] for r in per_rank], cpu=[r["cpu"] for r in per_rank],
-            peak_fresh_bytes=[r["peak_fresh"] for r in per_rank],
+            peak_kept_bytes=[r["peak_kept"] for r in per_rank],
             peak_before_bytes=[r["peak_before"] for r in per_rank],
             kept_bytes=[r["kept"] for r in per_rank],
             load_average=os.getloadavg()[0],
@@ -249,8 +249,8 @@ def report(r: dict) -> None:
         ("  of which inside the engine's loaders", "sync_load"),
         ("  of which producing the stream", "sync_wait"),
         ("sync, stream one message ahead (prefetch)", "prefetch"),
-        ("sync, fresh buffers per sync", "sync_fresh"),
-        ("sync, fresh buffers and no plan (before)", "sync_before"),
+        ("sync, one pool kept across syncs", "sync_kept"),
+        ("sync without the plan (before)", "sync_before"),
     ]
     for name, key in rows:
         seconds = r[f"{key}_s"]
@@ -261,8 +261,8 @@ def report(r: dict) -> None:
         )
     print(
         f"fraction_of_transport {r['transport_s'] / r['sync_s']:.3f} (with prefetch: "
-        f"{r['transport_s'] / r['prefetch_s']:.3f}; fresh buffers: "
-        f"{r['transport_s'] / r['sync_fresh_s']:.3f}; before: "
+        f"{r['transport_s'] / r['prefetch_s']:.3f}; pool kept: "
+        f"{r['transport_s'] / r['sync_kept_s']:.3f}; before: "
         f"{r['transport_s'] / r['sync_before_s']:.3f}); best any overlap could reach with one "
         f"core per rank: {one_core_bound(r):.3f}; load average {r['load_average']:.1f}"
     )
@@ -281,9 +281,9 @@ def memory_lines(r: dict) -> str:
     return (
         f"peak extra memory of a sync per rank, as the trainer runs it: "
         f"{in_buckets(r['peak_extra_bytes'], b)}\n"
-        f"  plus the gather buffers it keeps between syncs: {kept}\n"
-        f"  fresh buffers per sync (nothing kept): {in_buckets(r['peak_fresh_bytes'], b)}\n"
-        f"  fresh buffers and no plan (before): {in_buckets(r['peak_before_bytes'], b)}"
+        f"  one pool kept across syncs: {in_buckets(r['peak_kept_bytes'], b)}, plus the pool "
+        f"held between syncs: {kept}\n"
+        f"  without the plan (before): {in_buckets(r['peak_before_bytes'], b)}"
     )
 
 
@@ -354,8 +354,8 @@ def run(quick: bool = False) -> None:
                     max(main["peak_extra_bytes"]) / main["bucket_bytes"], 2
                 ),
                 "peak_live_buckets": round(max(live["peak_extra_bytes"]) / live["bucket_bytes"], 2),
-                "peak_live_fresh_buckets": round(
-                    max(live["peak_fresh_bytes"]) / live["bucket_bytes"], 2
+                "peak_live_before_buckets": round(
+                    max(live["peak_before_bytes"]) / live["bucket_bytes"], 2
                 ),
             }
         )

@@ -90,8 +90,7 @@ class RolloutSettings:
     enforce_eager: bool = True
     """Skip torch.compile / CUDA graphs (fast start; set False on GPU for speed)."""
     weight_bucket_bytes: int = 256 << 20
-    """Bytes per weight-sync message (extra memory of a sync is about one bucket); the trainer
-    also keeps up to this many bytes of gather buffers from one sync to the next."""
+    """Bytes per weight-sync message (extra memory of a sync is about one bucket)."""
     sleep_level: Literal[1, 2] = 1
     """GPU: engine sleep during training. 1: weights to host, KV cache freed; 2: both freed (each step re-syncs anyway). CPU: order checks only."""
     offload_training_state: bool = False

@@ -22,7 +22,6 @@ from vapo_megatron.data.sampler import PromptSampler
 from vapo_megatron.models import checkpoint as mckpt
 from vapo_megatron.models import hf_io
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.hf_weights import GatherBuffers
 from vapo_megatron.parallel.model_groups import (
     build_model_groups,
     ensure_global_memory_buffer,
@@ -164,9 +163,6 @@ class Session:
         self.rollout = self._start_rollout()
         self.rollout_synced = False
         """Whether the engine holds the policy's current weights."""
-        self.sync_buffers = GatherBuffers(limit_bytes=config.rollout.weight_bucket_bytes)
-        """The weight stream's gather buffers, kept from one sync to the next (at most one
-        bucket): each sync starts with warm memory (docs/rollout.md, benchmark)."""
 
     def _init_critic(self, policy_tensors: dict[str, torch.Tensor] | None) -> None:
         """Critic weights: a pretrained critic (this run's or critic.pretrained), else a reward

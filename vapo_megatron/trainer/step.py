@@ -68,9 +68,8 @@ def sync_weights(session: Session) -> dict[str, float]:
     no sleep mode: only the order is checked."""
     session.rollout.wake_up(["weights"])
     stats = push_policy_weights(
-        session.policy, session.rollout,
-        bucket_bytes=session.config.rollout.weight_bucket_bytes, buffers=session.sync_buffers,
-    )  # fmt: skip
+        session.policy, session.rollout, bucket_bytes=session.config.rollout.weight_bucket_bytes
+    )
     session.rollout.wake_up(["kv_cache"])
     return {"sync/gb": stats.num_bytes / 1e9, "sync/buckets": stats.num_buckets}
 
@@ -86,9 +85,11 @@ def push_policy_weights(
     """Every rank receives every full HF tensor of the policy, in process, and its part of its
     engine replica keeps its vLLM TP slice; ``bucket_bytes`` bounds the stream's PP messages
     and the engine's messages. The stream's plan lets each message go before the next tensor
-    is gathered (one message in flight per rank); ``buffers`` kept across calls start each sync
-    with warm gather buffers. ``prefetch``: see ``RolloutEngine.update_weights``. Collective
-    over the policy's TP and PP groups."""
+    is gathered (one message in flight per rank). ``buffers``: a ``GatherBuffers`` pool to keep
+    across calls (warm memory at the start of each sync, at the cost of holding it in between;
+    the trainer keeps none: no gain measured, docs/rollout.md); None gives each sync its own.
+    ``prefetch``: see ``RolloutEngine.update_weights``. Collective over the policy's TP and PP
+    groups."""
     buckets = stream_policy_weights(
         policy.chunks, policy.record, policy.config,
         tp_group=policy.groups.parallel.tp, pp_group=policy.groups.parallel.pp,

@@ -93,8 +93,8 @@ SYNC_BUFFERS = GatherBuffers(limit_bytes=256 * 1024)
 
 def sync(engine: ModelEngine, rollout: RolloutEngine, bucket_bytes: int = 256 * 1024):
     """Stream the policy into this rank's engine the trainer's way (every rank receives every
-    tensor; small messages, so that layers and q/k/v fall across message boundaries; one pool
-    of gather buffers kept across syncs)."""
+    tensor; small messages, so that layers and q/k/v fall across message boundaries), with one
+    pool of gather buffers kept across syncs, so that reused buffers meet a live engine."""
     return push_policy_weights(engine, rollout, bucket_bytes=bucket_bytes, buffers=SYNC_BUFFERS)
 
 
