@@ -160,7 +160,7 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
         )
 
     def sync_before():
-        """The sync before the plan and the kept pool: fresh buffers, no plan."""
+        """The trainer's sync without the plan (as before it; gate/up already gathered apart)."""
         return rollout.update_weights((t for b in stream() for t in b), bucket_bytes=BUCKET_BYTES)
 
     targets = {k: torch.empty_like(v) for k, v in state.items()}
