@@ -91,11 +91,16 @@ def unrotate(rows: list, replica: int) -> list:
 SYNC_BUFFERS = GatherBuffers(limit_bytes=256 * 1024)
 
 
-def sync(engine: ModelEngine, rollout: RolloutEngine, bucket_bytes: int = 256 * 1024):
+def sync(
+    engine: ModelEngine, rollout: RolloutEngine, bucket_bytes: int = 256 * 1024, prefetch=None
+):
     """Stream the policy into this rank's engine the trainer's way (every rank receives every
     tensor; small messages, so that layers and q/k/v fall across message boundaries), with one
-    pool of gather buffers kept across syncs, so that reused buffers meet a live engine."""
-    return push_policy_weights(engine, rollout, bucket_bytes=bucket_bytes, buffers=SYNC_BUFFERS)
+    pool of gather buffers kept across syncs, so that reused buffers meet a live engine.
+    ``prefetch=True`` is the GPU default (the stream one message ahead in a thread)."""
+    return push_policy_weights(
+        engine, rollout, bucket_bytes=bucket_bytes, buffers=SYNC_BUFFERS, prefetch=prefetch
+    )
 
 
 def greedy(rollout: RolloutEngine):
@@ -229,12 +234,15 @@ def main(hf_dir: str, engine_tp: int) -> None:
         print(f"rank {rank}: {name}: the trained step is visible in vLLM's next generation")
 
         engine.load_hf(state_b)
-        sync(engine, rollout)
+        sync(engine, rollout, prefetch=True)
         assert greedy(rollout)[0] == expected_b, name
         engine.load_hf(state_a)
-        sync(engine, rollout)
+        sync(engine, rollout, prefetch=True)
         assert greedy(rollout) == (tokens_a, logprobs_a), f"{name}: A -> B -> A is not exact"
-        print(f"rank {rank}: {name}: A -> B -> A returns exactly A's tokens and log-probs")
+        print(
+            f"rank {rank}: {name}: A -> B -> A returns exactly A's tokens and log-probs "
+            "(B and A synced with prefetch)"
+        )
     check_sleep_order(engine, rollout, tokens_a)
     print(f"rank {rank}: sleep/wake order enforced; the right order gives A's tokens")
     dist.barrier()
