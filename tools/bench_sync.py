@@ -137,11 +137,10 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
     start_s = time.perf_counter() - start
     tp_group = ps.get_tensor_model_parallel_group()
 
-    def stream(buffers=None):
+    def stream():
         return stream_policy_weights(
             engine.chunks, engine.record, engine.config, tp_group=tp_group,
             pp_group=ps.get_pipeline_model_parallel_group(), bucket_bytes=BUCKET_BYTES,
-            buffers=buffers,
         )  # fmt: skip
 
     plan = transport_plan(engine, tp_group)
