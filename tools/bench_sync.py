@@ -48,7 +48,15 @@ CONFIG = dict(
     intermediate_size=2816, num_hidden_layers=4, vocab_size=16000,
     max_position_embeddings=512, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
 )  # fmt: skip
-QUICK = dict(CONFIG, hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=4096)
+QUICK = dict(
+    CONFIG,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    vocab_size=4096,
+)  # head_dim 64 = hidden / heads: vLLM's CPU attention needs one it supports
 BUCKET_BYTES = 64 << 20
 # glibc raises its mmap threshold (up to 32 MB) as large blocks are freed, after which freed
 # blocks stay in its heaps: resident, reused later, and counted by VmHWM. A fixed threshold
