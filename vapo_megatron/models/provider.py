@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from vapo_megatron.models.config import Head, HFModelConfig
+from vapo_megatron.models.gpu_settings import ResolvedGpuSettings
 from vapo_megatron.models.norm import RMSNorm
 from vapo_megatron.models.value_head import ValueHead
 from vapo_megatron.parallel.model_groups import layout_sizes
@@ -88,8 +89,13 @@ def transformer_config(
     *,
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool | None = None,
+    gpu: ResolvedGpuSettings | None = None,
 ) -> TransformerConfig:
-    """The TransformerConfig of ``hf`` under ``layout`` (fp32 or bf16 parameters)."""
+    """The TransformerConfig of ``hf`` under ``layout`` (fp32 or bf16 parameters).
+
+    ``gpu``: the fusions :func:`gpu_settings.resolve` chose; None leaves megatron-core's
+    defaults (every fusion off), as on CPU.
+    """
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype must be float32 or bfloat16, got {params_dtype}")
     if use_cpu_initialization is None:
@@ -109,6 +115,7 @@ def transformer_config(
         # (MEGATRON_ON_CPU.md, traps); the overlapped unbatched path is exact.
         overlap_p2p_comm=layout.vpp is not None,
         batch_p2p_comm=layout.vpp is None,
+        **(gpu.transformer_config_kwargs() if gpu is not None else {}),
     )
 
 

@@ -36,6 +36,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.models.config import Head, HFModelConfig
+from vapo_megatron.models.gpu_settings import GpuSettings, resolve
 from vapo_megatron.models.hf_weights import gather_hf_weights, load_hf_weights
 from vapo_megatron.models.logprobs import VocabSlice
 from vapo_megatron.models.megatron_patches import apply_megatron_patches
@@ -111,6 +112,7 @@ class ModelEngine:
         groups: ModelGroups | None = None,
         params_dtype: torch.dtype = torch.float32,
         layer_spec: ModuleSpec | None = None,
+        gpu: GpuSettings | None = None,
     ):
         layout.check(hf)
         apply_megatron_patches()  # GQA with fewer KV heads than TP ranks: the model's TP group
@@ -127,11 +129,20 @@ class ModelEngine:
         seed_rng_tracker(groups)
         pgs = groups.pg_collection
         self.record = ModelRecord(hf, head)
-        self.config = transformer_config(hf, layout, params_dtype=params_dtype)
-        self.config.finalize_model_grads_func = finalize_model_grads
         bf16 = params_dtype == torch.bfloat16
+        # Fusions and overlaps: all off on CPU; overlap_hooks=False until this engine sets
+        # megatron's no_sync_func and gathers parameters before reading them (gpu_settings.py).
+        self.gpu = resolve(
+            gpu or GpuSettings(),
+            bf16=bf16,
+            distributed_optimizer=optim.distributed_optimizer,
+            overlap_hooks=False,
+            name="critic" if head == "value" else "policy",
+        )
+        self.config = transformer_config(hf, layout, params_dtype=params_dtype, gpu=self.gpu)
+        self.config.finalize_model_grads_func = finalize_model_grads
         ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=optim.distributed_optimizer, grad_reduce_in_fp32=bf16
+            use_distributed_optimizer=optim.distributed_optimizer, **self.gpu.ddp_config_kwargs()
         )
         self.chunks: list[DistributedDataParallel] = []
         models = build_model(hf, self.config, head=head, pg_collection=pgs, layer_spec=layer_spec)
