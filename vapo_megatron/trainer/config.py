@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from vapo_megatron.algorithms.config import AlgoConfig
+from vapo_megatron.models.gpu_settings import GpuSettings
 from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.trainer.model_engine import OptimSettings
 
@@ -237,6 +238,8 @@ class TrainConfig:
     """Critic pretraining's stop rule and rollouts."""
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
     """The loop."""
+    gpu: GpuSettings = field(default_factory=GpuSettings)
+    """Kernel fusions and DDP overlap of both models (auto: on with CUDA and the kernel; off on CPU)."""
 
     @property
     def samples_per_step(self) -> int:

@@ -140,7 +140,7 @@ class Session:
         seed_rng_tracker(self.policy_groups, seed=config.trainer.seed)
         self.policy = ModelEngine(
             self.hf, config.policy.layout, head="lm", optim=config.policy.optim,
-            groups=self.policy_groups, params_dtype=dtype,
+            groups=self.policy_groups, params_dtype=dtype, gpu=config.gpu,
         )  # fmt: skip
         policy_tensors = None
         if config.policy.load:
@@ -156,7 +156,7 @@ class Session:
         if config.algorithm.uses_critic:
             self.critic = ModelEngine(
                 self.hf, config.critic.layout, head="value", optim=config.critic.optim,
-                groups=self.critic_groups, params_dtype=dtype,
+                groups=self.critic_groups, params_dtype=dtype, gpu=config.gpu,
             )  # fmt: skip
             self._init_critic(policy_tensors)
         del policy_tensors
