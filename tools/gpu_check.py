@@ -306,6 +306,8 @@ class GPUCheck:
                 torch.cuda.synchronize(self.device)  # a kernel's error shows here
         except Skipped as skip:
             status, error = "skipped", str(skip)
+        except CheckFailed as err:  # a number out of bounds: the line says it all
+            status, error = "failed", f"CheckFailed: {err}"
         except Exception as err:
             status, error = "failed", f"{type(err).__name__}: {err}"
             traceback.print_exc(file=sys.stderr)

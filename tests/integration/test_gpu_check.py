@@ -1,0 +1,67 @@
+"""tools/gpu_check.py's CPU twin: every part of the first-GPU check runs and passes with gloo.
+
+The script is what runs on the first GPU (docs/benchmarks.md, "GPU check"); here ``--cpu``
+runs the same parts on the same trainer code, so the check itself is known to work before a
+GPU sees it. Transformer Engine's part is the only one allowed to skip (it needs CUDA).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.launcher import REPO_ROOT
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = REPO_ROOT / "tools" / "gpu_check.py"
+PARTS = [
+    "distributed",
+    "default_layer_spec",
+    "engines",
+    "scoring",
+    "update_critic",
+    "update_policy",
+    "weight_stream",
+    "hf_logits",
+    "checkpoint",
+    "checkpoint_weights",
+    "te_spec",
+]
+
+
+def test_gpu_check_cpu_twin():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONWARNINGS"] = "ignore::UserWarning,ignore::FutureWarning"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = f"stdout:\n{proc.stdout}\nstderr (last 4000 chars):\n{proc.stderr[-4000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert lines, log
+    summary = json.loads(lines[-1])
+    parts = summary["parts"]
+    assert list(parts) == PARTS, log
+    not_ok = {n: p for n, p in parts.items() if n != "te_spec" and p["status"] != "ok"}
+    assert not not_ok, f"parts not ok: {not_ok}\n{log}"
+    assert parts["te_spec"]["status"] == "skipped", log
+    assert summary["ok"] is True and proc.returncode == 0, log
+    assert summary["device"] == "cpu" and parts["distributed"]["backend"] == "gloo", log
+    # The numbers behind the verdicts, so a check that silently compared nothing fails here.
+    assert parts["hf_logits"]["positions"] > 0, log
+    assert parts["hf_logits"]["max_abs_diff"] <= parts["hf_logits"]["tolerance"], log
+    assert parts["weight_stream"]["changed"] > 0, log
+    assert parts["checkpoint"]["tensors_equal"] > 0, log
+    assert parts["checkpoint_weights"]["tensors_equal"] > 0, log
+    for name in ("update_critic", "update_policy"):
+        assert parts[name]["grad_norm"] > 0 and parts[name]["max_weight_change"] > 0, log
