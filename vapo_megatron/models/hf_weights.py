@@ -1,8 +1,10 @@
 """Move HF-named weights into this rank's model chunks, and gather them back out.
 
-Both go through the model record (``record.py``), the one HF <-> Megatron map. The way out is
-what the rollout weight stream and checkpoint export build on: this rank's pipeline stage,
-gathered over tensor parallelism, as full HF-named tensors in a fixed order.
+Both go through the model record (``record.py``), the one HF <-> Megatron map, whose names
+must be the model's own parameter names: the record's ``layer_spec`` is the spec the model was
+built with (:func:`chunk_parameters` checks it). The way out is what the rollout weight stream
+and checkpoint export build on: this rank's pipeline stage, gathered over tensor parallelism, as
+full HF-named tensors in a fixed order.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import unwrap_model
 
 from vapo_megatron.models.record import ModelChunk, ModelRecord, Split, TensorMap
+from vapo_megatron.parallel import collectives
 
 
 def model_chunks_of_rank(config: TransformerConfig, pp_rank: int) -> list[ModelChunk]:
@@ -42,18 +45,29 @@ def load_hf_weights(
     """
     tp_size = config.tensor_model_parallel_size
     for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
+        params = chunk_parameters(model, record, chunk)
         shards = record.hf_to_megatron_shards(hf_tensors, tp_rank, tp_size, chunk)
-        module = unwrap_model(model)
-        params = dict(module.named_parameters())
-        if set(params) != set(shards):
-            raise ValueError(
-                f"record and model disagree on layers {chunk.layers}: model only "
-                f"{sorted(set(params) - set(shards))[:5]}, record only "
-                f"{sorted(set(shards) - set(params))[:5]}"
-            )
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(shards[name])
+
+
+def chunk_parameters(
+    model: torch.nn.Module, record: ModelRecord, chunk: ModelChunk
+) -> dict[str, torch.nn.Parameter]:
+    """The parameters of one (possibly wrapped) model chunk by name; ValueError unless they are
+    exactly the record's tensors of ``chunk`` (e.g. a record of the local spec for a model built
+    with Transformer Engine's: build it with ``layer_spec=provider.layer_spec_kind(spec)``)."""
+    params = dict(unwrap_model(model).named_parameters())
+    names = record.tensor_maps(chunk)
+    if set(params) != set(names):
+        raise ValueError(
+            f"record (layer_spec={record.layer_spec!r}) and model disagree on layers "
+            f"{chunk.layers}: model only {sorted(set(params) - set(names))[:5]}, record only "
+            f"{sorted(set(names) - set(params))[:5]}; build the record with the layer spec "
+            "kind the model was built with (provider.layer_spec_kind)"
+        )
+    return params
 
 
 class GatherBuffers:
@@ -160,7 +174,7 @@ def gather_hf_weights(
         return
     receives = only_to_tp_rank == tp_rank
     for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
-        params = dict(unwrap_model(model).named_parameters())
+        params = chunk_parameters(model, record, chunk)
         for name, m in record.tensor_maps(chunk).items():
             if m.tied_copy:  # the first stage exports the shared embedding
                 continue
@@ -168,7 +182,7 @@ def gather_hf_weights(
             if tp_size > 1 and m.split is not Split.REPLICATED:
                 shards = [torch.empty_like(local) for _ in range(tp_size)] if receives else None
                 dst = dist.get_global_rank(tp_group, only_to_tp_rank)
-                dist.gather(local.contiguous(), shards, dst=dst, group=tp_group)
+                collectives.gather(local.contiguous(), shards, dst=dst, group=tp_group)
             else:
                 shards = [local] * tp_size
             if receives:
@@ -186,7 +200,7 @@ def tp_gathers(
     the stream's order (the bench replays its all-gathers); ``gather_pieces`` tells what is
     all-gathered of each."""
     for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
-        params = dict(unwrap_model(model).named_parameters())
+        params = chunk_parameters(model, record, chunk)
         for name, m in record.tensor_maps(chunk).items():
             if not m.tied_copy:  # the first stage exports the shared embedding
                 yield name, m, params[name].detach(), chunk
@@ -210,7 +224,7 @@ def _all_gather_hf_weights(models, record, config, tp_group, tp_size, pp_rank, b
 
     def gathered(piece: torch.Tensor) -> torch.Tensor:
         full = buffers.take((tp_size * piece.shape[0], *piece.shape[1:]), piece.dtype, piece.device)
-        dist.all_gather_into_tensor(full, piece, group=tp_group)
+        collectives.all_gather_into_tensor(full, piece, tp_group)
         return full
 
     for name, m, local, chunk in tp_gathers(models, record, config, pp_rank=pp_rank):

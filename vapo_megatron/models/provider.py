@@ -3,17 +3,24 @@
 One HF config and one layout give the model chunks of this rank: one chunk, or one per
 virtual pipeline stage. Policy and critic take independent layouts. Layer specs: Transformer
 Engine's on a GPU when it is installed, else megatron-core's local spec with the project's core
-attention (context parallelism and packed sequences without Transformer Engine).
+attention (context parallelism and packed sequences without Transformer Engine). The two name
+the layer norms' parameters differently: ``layer_spec_kind`` tells the model record which names
+a built model has. On a GPU without TE the local spec's dense attention refuses context
+parallelism and long rows (``check_local_attention_fits``).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from dataclasses import dataclass
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -23,8 +30,12 @@ from megatron.core.transformer.transformer_block import (
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.models.gpu_settings import ResolvedGpuSettings
 from vapo_megatron.models.norm import RMSNorm
+from vapo_megatron.models.record import LayerSpecKind
 from vapo_megatron.models.value_head import ValueHead
+from vapo_megatron.parallel.devices import init_device
 from vapo_megatron.parallel.model_groups import layout_sizes
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,23 +131,124 @@ def transformer_config(
 
 
 def default_layer_spec() -> ModuleSpec:
-    """Transformer Engine's layer spec on a GPU with TE installed, else the local spec with
-    the project's core attention and RMSNorm (see :func:`_block_spec`)."""
+    """Transformer Engine's layer spec on a GPU with TE installed, else (with a logged warning
+    on a GPU) :func:`local_spec`. ``layer_spec_kind`` tells which one a spec is.
+
+    Without TE, megatron-core 0.16.1's ``get_gpt_layer_with_transformer_engine_spec()`` raises
+    ``NameError('TESpecProvider')`` (its TE imports failed quietly at import time), so TE is
+    looked for first and both that and an ImportError mean "no TE"."""
     if torch.cuda.is_available():
-        try:
+        if importlib.util.find_spec("transformer_engine") is None:
+            reason = "transformer_engine is not installed"
+        else:
             from megatron.core.models.gpt.gpt_layer_specs import (
                 get_gpt_layer_with_transformer_engine_spec,
             )
 
-            return get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
+            try:
+                return get_gpt_layer_with_transformer_engine_spec()
+            except (ImportError, NameError) as err:  # installed but not importable
+                reason = f"megatron-core cannot use it ({type(err).__name__}: {err})"
+        logger.warning(
+            "CUDA is available but %s: using megatron-core's local layer spec with dense "
+            "attention, which refuses context parallelism and rows over %d tokens on a GPU; "
+            "install transformer-engine[pytorch] for training at scale",
+            reason,
+            LOCAL_ATTENTION_MAX_TOKENS,
+        )
+    return local_spec()
+
+
+def local_spec() -> ModuleSpec:
+    """megatron-core's local layer spec with the project's core attention (context parallelism
+    and packed sequences without TE) and RMSNorm (HF numerics; sequence parallelism)."""
     from vapo_megatron.models.layer_spec import local_layer_spec
 
     spec = local_layer_spec()
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
     return spec
+
+
+def layer_spec_kind(spec: ModuleSpec) -> LayerSpecKind:
+    """'te' for Transformer Engine's GPT layer spec (each norm fused into the next linear,
+    ``TELayerNormColumnParallelLinear``, no norm modules of its own), 'local' for a spec with
+    separate norm modules and no fused norm (megatron's local spec, :func:`local_spec`): the
+    ``layer_spec`` of the model's ``ModelRecord``. ValueError for anything else (e.g. TE's op
+    fuser MLP), whose parameter names the record does not know."""
+    sub = spec.submodules
+    norms = [getattr(x, "module", x) for x in (sub.input_layernorm, sub.pre_mlp_layernorm)]
+    mlp = sub.mlp
+    linears = [sub.self_attention.submodules.linear_qkv]
+    if getattr(mlp, "module", None) is MLP:
+        linears.append(mlp.submodules.linear_fc1)
+    fused = [_is_te_norm_linear(getattr(x, "module", x)) for x in linears]
+    no_norms = [norm is IdentityOp for norm in norms]
+    if len(linears) == 2 and all(fused) and all(no_norms):
+        return "te"
+    if len(linears) == 2 and not any(fused) and not any(no_norms):
+        return "local"
+    raise ValueError(
+        f"layer spec with norms {norms}, MLP {getattr(mlp, 'module', mlp)} and linears "
+        f"{linears}: the model record knows the parameter names of megatron-core's local GPT "
+        "spec and of get_gpt_layer_with_transformer_engine_spec() (without the op fuser) only"
+    )
+
+
+def _is_te_norm_linear(cls: object) -> bool:
+    # By name: TE's classes exist only where TE is installed.
+    return any(c.__name__ == "TELayerNormColumnParallelLinear" for c in getattr(cls, "__mro__", ()))
+
+
+LOCAL_ATTENTION_MAX_TOKENS = 8192
+"""Longest row (tokens of one padded sequence, or of one packed THD row) that the local spec's
+dense attention takes on a GPU. ``models/attention.py`` materialises, per layer and per
+attention head of the rank, an [s, s] score matrix: at s = 8192 that is 256 MiB in fp32, and
+the forward pass makes about four of them (the product, its fp32 scaled and masked copies, the
+softmax) while autograd keeps 1.5 (the fp32 softmax and its bf16 copy) per layer until the
+backward pass. With Qwen2.5-32B at TP 8 (5 query heads per rank) that is ~5 GiB of transient
+forward memory and ~1.9 GiB kept per layer at 8192 tokens; the paper's rows (20480 response +
+prompt, ~22k tokens) cost (22528 / 8192)^2 = 7.6 times more: ~14 GiB kept per layer, which no
+GPU holds over a pipeline stage of layers. The bound lets small models and short rows run on a
+GPU without TE (smoke tests, debugging); it does not promise that every row under it fits."""
+
+
+def check_local_attention_fits(
+    layer_spec: LayerSpecKind,
+    *,
+    cp: int,
+    row_tokens: int | None = None,
+    on_cuda: bool | None = None,
+) -> None:
+    """ValueError, saying why and what to change, where the local spec's dense attention cannot
+    serve a GPU run: context parallelism > 1, or a row longer than
+    :data:`LOCAL_ATTENTION_MAX_TOKENS` (``row_tokens``: the longest row of a micro-batch,
+    padded [b, s] length s or packed THD row length; None checks the layout only). Nothing is
+    refused under Transformer Engine's spec, or on the CPU (``on_cuda``: default
+    ``torch.cuda.is_available()``), where the dense attention is the development path."""
+    if layer_spec != "local":
+        return
+    if on_cuda is None:
+        on_cuda = torch.cuda.is_available()
+    if not on_cuda:
+        return
+    if cp > 1:
+        raise ValueError(
+            f"context parallelism cp={cp} on a GPU needs Transformer Engine's attention: the "
+            "local spec's dense attention all-gathers K/V and holds a [tokens/cp, tokens] score "
+            "matrix per head, meant for CPU tests; install transformer-engine[pytorch], or set "
+            "cp=1 and keep rows within "
+            f"{LOCAL_ATTENTION_MAX_TOKENS} tokens"
+        )
+    if row_tokens is not None and row_tokens > LOCAL_ATTENTION_MAX_TOKENS:
+        raise ValueError(
+            f"a row of {row_tokens} tokens is over the {LOCAL_ATTENTION_MAX_TOKENS} that the "
+            "local spec's dense attention takes on a GPU (it holds an fp32 [tokens, tokens] "
+            "score matrix per head and layer: 256 MiB per head at 8192 tokens, growing with the "
+            "square of the length); install transformer-engine[pytorch], or lower "
+            "micro_batch_tokens and the prompt/response max lengths so that rows stay within "
+            f"{LOCAL_ATTENTION_MAX_TOKENS} tokens"
+        )
 
 
 def _block_spec(
@@ -163,7 +275,9 @@ def build_model(
     ``pg_collection``: this model's groups (``ModelGroups.pg_collection``), with sizes equal to
     the config's; None reads ``parallel_state``'s (which must then hold the config's layout).
     For ``head='value'`` the last stage's output layer is a :class:`ValueHead` and the model
-    returns values [b, s, 1].
+    returns values [b, s, 1]. ``layer_spec``: None picks :func:`default_layer_spec`; the
+    model's record needs ``layer_spec_kind`` of the spec used. ValueError for CP > 1 on a GPU
+    with the local spec (:func:`check_local_attention_fits`).
     """
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -179,6 +293,7 @@ def build_model(
         )
     if layer_spec is None:
         layer_spec = default_layer_spec()
+    check_local_attention_fits(layer_spec_kind(layer_spec), cp=config.context_parallel_size)
     tp = config.tensor_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size
     pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
@@ -204,6 +319,7 @@ def build_model(
                 config.hidden_size,
                 sequence_parallel=config.sequence_parallel,
                 tp_group=pg_collection.tp,
+                device=init_device(config.use_cpu_initialization),
             )
         chunks.append(model)
     return chunks

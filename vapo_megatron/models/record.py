@@ -4,13 +4,22 @@ Both families share one layout; ``HFModelConfig`` holds what differs (QKV bias, 
 record is the one place that knows how an HF tensor becomes Megatron shards and back;
 ``tools/convert.py`` and the rollout weight stream both go through it.
 
-Names. Megatron names are those of megatron-core's ``GPTModel`` with the local layer spec, as
-one model chunk (a pipeline stage, or one virtual stage under interleaving) names them: layers
-are numbered locally, ``decoder.layers.{i}`` holding global layer ``chunk.layers[i]``
-(megatron's ``layer.layer_number - 1``). With ``ModelChunk.whole`` that is the TP=1 numbering.
+Names. Megatron names are the parameter names (``named_parameters()``) of megatron-core's
+``GPTModel`` as one model chunk (a pipeline stage, or one virtual stage under interleaving)
+names them: layers are numbered locally, ``decoder.layers.{i}`` holding global layer
+``chunk.layers[i]`` (megatron's ``layer.layer_number - 1``). With ``ModelChunk.whole`` that is
+the TP=1 numbering. They depend on the layer spec the model was built with
+(``ModelRecord.layer_spec``, from ``provider.layer_spec_kind``): the local spec has norm modules
+of its own; Transformer Engine's spec (``get_gpt_layer_with_transformer_engine_spec``) fuses
+each norm into the linear after it (``TELayerNormColumnParallelLinear``), so the two layer norms
+are named after that linear. Every other name is the same under both specs: TE's linears keep
+``weight``/``bias`` (a linear without bias registers no ``bias`` parameter), TE's final RMSNorm
+keeps ``weight``, and the embedding and output layer are megatron's own modules either way.
+State dicts also hold ``_extra_state`` entries (TE's FP8 metadata; megatron's local linears
+write None), which are not parameters and carry no HF tensor: the record never names them.
 
 =========================================  =============================================  =========
-Megatron name                               HF name(s)                                     TP split
+Megatron name (local spec)                  HF name(s)                                     TP split
 =========================================  =============================================  =========
 embedding.word_embeddings.weight            model.embed_tokens.weight                      VOCAB
 decoder.layers.{i}.input_layernorm.weight   model.layers.{l}.input_layernorm.weight        REPLICATED
@@ -29,6 +38,21 @@ output_layer.weight        (policy)         lm_head.weight (untied) /           
                                               model.embed_tokens.weight (tied, see below)
 output_layer.weight        (critic)         score.weight                                   REPLICATED
 =========================================  =============================================  =========
+
+Under the TE spec (``layer_spec="te"``) two rows differ, everything else is as above:
+
+===========================================  ===========================================
+local spec                                   TE spec
+===========================================  ===========================================
+decoder.layers.{i}.input_layernorm.weight    decoder.layers.{i}.self_attention.linear_qkv.
+                                               layer_norm_weight
+decoder.layers.{i}.pre_mlp_layernorm.weight  decoder.layers.{i}.mlp.linear_fc1.
+                                               layer_norm_weight
+===========================================  ===========================================
+
+Distributed checkpoints do not see the difference: the local spec maps its norms' keys to the
+TE names (``sharded_state_dict_keys_map`` in megatron's ``get_gpt_layer_local_spec``), so
+checkpoint keys agree between the specs except for ``_extra_state`` (``models/checkpoint.py``).
 
 Shapes (h hidden, nh/ng query/KV heads, d head_dim, f intermediate, V vocab, t TP; Vp is V
 rounded up to a multiple of make_vocab_size_divisible_by * t), HF -> one TP rank's shard:
@@ -61,7 +85,7 @@ import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -69,6 +93,10 @@ from vapo_megatron.models.config import Head, HFModelConfig
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
+
+LayerSpecKind = Literal["local", "te"]
+"""Which GPT layer spec a model was built with: megatron-core's local one or Transformer
+Engine's. Parameter names differ (see the module docstring)."""
 
 
 class Split(enum.Enum):
@@ -159,20 +187,48 @@ class ModelChunk:
         )
 
 
-# Per decoder layer: (Megatron suffix, HF suffixes, split). The QKV bias is added for Qwen2.
-_LAYER_MAPS: tuple[tuple[str, tuple[str, ...], Split], ...] = (
-    ("input_layernorm.weight", ("input_layernorm.weight",), Split.REPLICATED),
+# Per decoder layer: (Megatron suffix under the local spec, under the TE spec, HF suffixes,
+# split). The QKV bias is added for Qwen2.
+_LAYER_MAPS: tuple[tuple[str, str, tuple[str, ...], Split], ...] = (
     (
+        "input_layernorm.weight",
+        "self_attention.linear_qkv.layer_norm_weight",
+        ("input_layernorm.weight",),
+        Split.REPLICATED,
+    ),
+    (
+        "self_attention.linear_qkv.weight",
         "self_attention.linear_qkv.weight",
         ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
         Split.QKV,
     ),
-    ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), Split.ROW),
-    ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), Split.REPLICATED),
-    ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), Split.GATE_UP),
-    ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), Split.ROW),
+    (
+        "self_attention.linear_proj.weight",
+        "self_attention.linear_proj.weight",
+        ("self_attn.o_proj.weight",),
+        Split.ROW,
+    ),
+    (
+        "pre_mlp_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight",
+        ("post_attention_layernorm.weight",),
+        Split.REPLICATED,
+    ),
+    (
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc1.weight",
+        ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        Split.GATE_UP,
+    ),
+    (
+        "mlp.linear_fc2.weight",
+        "mlp.linear_fc2.weight",
+        ("mlp.down_proj.weight",),
+        Split.ROW,
+    ),
 )
 _QKV_BIAS_MAP = (
+    "self_attention.linear_qkv.bias",
     "self_attention.linear_qkv.bias",
     ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     Split.QKV,
@@ -190,11 +246,21 @@ class ModelRecord:
     """'lm': policy with lm_head; 'value': critic with a value head (``score.weight``)."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times TP."""
+    layer_spec: LayerSpecKind = "local"
+    """Layer spec of the model the names refer to: 'local' (megatron-core's local spec) or 'te'
+    (Transformer Engine's, norms fused into the next linear); ``provider.layer_spec_kind``
+    tells it for a built spec."""
+
+    def __post_init__(self) -> None:
+        if self.layer_spec not in ("local", "te"):
+            raise ValueError(f"layer_spec must be 'local' or 'te', got {self.layer_spec!r}")
 
     # ----- names -----
 
     def tensor_maps(self, chunk: ModelChunk) -> dict[str, TensorMap]:
-        """Every Megatron tensor of ``chunk`` (by local name, in state-dict order)."""
+        """Every Megatron parameter of ``chunk`` (by local name, under this record's layer spec),
+        in the record's fixed order: the embedding, each layer, the final norm, the output layer
+        (the order the weight stream sends them in)."""
         return _tensor_maps(self, chunk)
 
     def hf_names(self, chunk: ModelChunk) -> list[str]:
@@ -304,7 +370,8 @@ class ModelRecord:
             raise ValueError(
                 f"unknown Megatron tensor {megatron_name!r} for layers {chunk.layers} "
                 f"(embedding={chunk.has_embedding}, output={chunk.has_output}) of a "
-                f"{self.config.family} model, head={self.head!r}"
+                f"{self.config.family} model, head={self.head!r}, layer_spec="
+                f"{self.layer_spec!r}"
             )
         expected = self._shard_shape(m, tp_size)
         for rank, shard in enumerate(tp_shards):
@@ -385,8 +452,10 @@ def _tensor_maps(record: ModelRecord, chunk: ModelChunk) -> dict[str, TensorMap]
             )
         )
     layer_maps = _LAYER_MAPS + ((_QKV_BIAS_MAP,) if record.config.qkv_bias else ())
+    te = record.layer_spec == "te"
     for local, layer in enumerate(chunk.layers):
-        for megatron_suffix, hf_suffixes, split in layer_maps:
+        for local_suffix, te_suffix, hf_suffixes, split in layer_maps:
+            megatron_suffix = te_suffix if te else local_suffix
             hf_names = tuple(f"model.layers.{layer}.{suffix}" for suffix in hf_suffixes)
             maps.append(TensorMap(f"decoder.layers.{local}.{megatron_suffix}", hf_names, split))
     if chunk.has_output:

@@ -40,7 +40,13 @@ from vapo_megatron.models.gpu_settings import GpuSettings, resolve
 from vapo_megatron.models.hf_weights import gather_hf_weights, load_hf_weights
 from vapo_megatron.models.logprobs import VocabSlice
 from vapo_megatron.models.megatron_patches import apply_megatron_patches
-from vapo_megatron.models.provider import ModelLayout, build_model, transformer_config
+from vapo_megatron.models.provider import (
+    ModelLayout,
+    build_model,
+    default_layer_spec,
+    layer_spec_kind,
+    transformer_config,
+)
 from vapo_megatron.models.record import ModelRecord
 from vapo_megatron.parallel.model_groups import ModelGroups, seed_rng_tracker
 
@@ -128,7 +134,10 @@ class ModelEngine:
         self.hf, self.layout, self.head, self.groups = hf, layout, head, groups
         seed_rng_tracker(groups)
         pgs = groups.pg_collection
-        self.record = ModelRecord(hf, head)
+        if layer_spec is None:
+            layer_spec = default_layer_spec()
+        # The record names the parameters of the spec the model is built with (TE fuses norms).
+        self.record = ModelRecord(hf, head, layer_spec=layer_spec_kind(layer_spec))
         bf16 = params_dtype == torch.bfloat16
         # Fusions and overlaps: all off on CPU; overlap_hooks=False until this engine sets
         # megatron's no_sync_func and gathers parameters before reading them (gpu_settings.py).
