@@ -48,10 +48,13 @@ if "--cpu" in sys.argv[1:]:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import argparse
+import faulthandler
 import importlib
 import json
+import math
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -127,6 +130,10 @@ LOGIT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 8 * 2.0**-7}
 agrees to ~1e-6 on CPU (kernel and reduction order on GPU add a little); bf16 rounds each
 activation to 8 bits of mantissa, a few times per layer. A wrong weight mapping or RoPE base
 moves logits by a large fraction of their scale."""
+PARTS = (
+    "distributed", "default_layer_spec", "engines", "scoring", "update_critic", "update_policy",
+    "weight_stream", "hf_logits", "checkpoint", "checkpoint_weights", "te_spec",
+)  # fmt: skip
 OPTIONAL_PARTS = {"te_spec", "hf_logits"}
 """Parts whose 'skipped' (their reason: a package not importable, or --cpu) still lets ok be true."""
 
@@ -289,10 +296,13 @@ class GPUCheck:
         self.policy_tensors: dict[str, torch.Tensor] | None = None
         self.old_logprobs = self.values = None
         self.hf_model = None
+        self.current, self.current_start = None, 0.0
+        """The part running now (for the watchdog)."""
 
     # ---- the frame around each part ----
 
     def run(self, name: str, part: Callable[[dict], None]) -> None:
+        self.current, self.current_start = name, time.perf_counter()
         numbers: dict = {}
         cuda = self.device.type == "cuda"
         if cuda:
@@ -479,7 +489,7 @@ class GPUCheck:
             tokens=metrics["num_tokens"], max_weight_change=max_change(before, engine),
         )  # fmt: skip
         check(loss_key in metrics, f"no {loss_key} in the metrics {sorted(metrics)}")
-        check(torch.isfinite(torch.tensor(metrics[loss_key])).item(), f"{loss_key} not finite")
+        check(math.isfinite(metrics[loss_key]), f"{loss_key} not finite")
         grad_norm = metrics["grad_norm"]
         check(0 < grad_norm < float("inf"), f"grad norm {grad_norm}")
         check(numbers["max_weight_change"] > 0, "the update left every weight unchanged")
@@ -667,6 +677,10 @@ def main() -> int:
         "--dtype", choices=["float32", "bfloat16"], default=None,
         help="parameter dtype (default: bfloat16 on GPU, float32 with --cpu)",
     )  # fmt: skip
+    parser.add_argument(
+        "--timeout", type=float, default=420.0,
+        help="seconds before a hung check prints its JSON line and exits 1 (default 420)",
+    )  # fmt: skip
     args = parser.parse_args()
     started = time.perf_counter()
     for key, value in (
@@ -698,20 +712,29 @@ def main() -> int:
         header["transformers"] = checker.transformers[1]
         header["transformer_engine"] = checker.te[1]
         print("  ".join(f"{k}={v}" for k, v in header.items()), flush=True)
-        for name in (
-            "distributed", "default_layer_spec", "engines", "scoring", "update_critic",
-            "update_policy", "weight_stream", "hf_logits", "checkpoint", "checkpoint_weights",
-            "te_spec",
-        ):  # fmt: skip
+        watchdog = threading.Timer(
+            args.timeout, _timed_out, (checker, header, args.timeout, started)
+        )
+        watchdog.daemon = True
+        watchdog.start()
+        for name in PARTS:
             checker.run(name, getattr(checker, name))
+        watchdog.cancel()
         if dist.is_initialized():
             dist.destroy_process_group()
-    results = checker.results
+    summary = _summary(checker.results, header, started)
+    print(json.dumps(summary, default=str), flush=True)
+    return 0 if summary["ok"] else 1
+
+
+def _summary(results: dict[str, dict], header: dict, started: float) -> dict:
+    for name in PARTS:
+        results.setdefault(name, {"status": "failed", "error": "not run: the check timed out"})
     ok = all(
         r["status"] == "ok" or (r["status"] == "skipped" and name in OPTIONAL_PARTS)
         for name, r in results.items()
     )
-    summary = {
+    return {
         "ok": ok,
         **header,
         "wall_seconds": round(time.perf_counter() - started, 2),
@@ -719,8 +742,21 @@ def main() -> int:
         "failed": sorted(n for n, r in results.items() if r["status"] == "failed"),
         "parts": results,
     }
-    print(json.dumps(summary, default=str), flush=True)
-    return 0 if ok else 1
+
+
+def _timed_out(checker: GPUCheck, header: dict, limit: float, started: float) -> None:
+    """The watchdog: a part hung (a collective, a kernel). Dump every thread's stack, mark the
+    part failed, print the JSON line anyway and leave: a hang must not cost the whole run."""
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    name = checker.current or PARTS[0]
+    checker.results[name] = {
+        "status": "failed",
+        "seconds": round(time.perf_counter() - checker.current_start, 3),
+        "error": f"timed out: the check passed --timeout {limit:g} s in this part",
+    }
+    print(f"{name:<20} failed   (timed out after --timeout {limit:g} s)", flush=True)
+    print(json.dumps(_summary(dict(checker.results), header, started), default=str), flush=True)
+    os._exit(1)
 
 
 if __name__ == "__main__":
