@@ -124,7 +124,7 @@ def worker(gpu: bool) -> None:
         computed = sum(mb.tokens.numel() for mb in mbs)
         norm = global_loss_normalisers(
             [m.response_mask for m in mbs], [m.fields["positive"] for m in mbs], len(samples),
-            dp_cp_group=None, cp_size=1,
+            dp_cp_group=None, cp_size=1, device=torch.device("cpu"),
         )  # fmt: skip
         loss_fn = policy_loss_fn(algo_preset("vapo"), norm, engine.vocab_slice)
         engine.run(mbs, loss_fn)  # warm-up

@@ -43,7 +43,7 @@ from vapo_megatron.models import checkpoint as ckpt  # noqa: E402
 from vapo_megatron.models import convert as conv  # noqa: E402
 from vapo_megatron.models import hf_io  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
-from vapo_megatron.parallel.gather import all_gather_objects  # noqa: E402
+from vapo_megatron.parallel.collectives import all_gather_objects  # noqa: E402
 from vapo_megatron.parallel.local_launch import relaunch_as_local_ranks  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -224,7 +224,7 @@ def _verify(args: argparse.Namespace, meta, hf: HFModelConfig, precision: str) -
         reference = _hf_outputs(args.hf, meta.head, tokens)
         report = _compare(ours, reference, precision, meta.head)
     # Rank 0 prints (the one rank a plain start shows on the console).
-    (report,) = [r for r in all_gather_objects(report) if r is not None]
+    (report,) = [r for r in all_gather_objects(report, None) if r is not None]
     if dist.get_rank() == 0:
         _report("verify", 0.0, 0, **report, tp=args.tp, pp=args.pp)
     destroy()

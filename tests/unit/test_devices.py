@@ -150,7 +150,12 @@ def loss_calls(device):
         (
             "global_loss_normalisers",
             lambda: global_loss_normalisers(
-                [mask, mask[:1]], [mask, ~mask[:1]], 4, dp_cp_group=None, cp_size=1
+                [mask, mask[:1]],
+                [mask, ~mask[:1]],
+                4,
+                dp_cp_group=None,
+                cp_size=1,
+                device=mask.device,
             ),
         ),
     ]

@@ -42,14 +42,18 @@ def test_cp_gae_without_group_is_plain_gae():
 def test_normalisers_single_process():
     masks = [torch.tensor([[1, 1, 0]]), torch.tensor([[0, 1, 1], [1, 0, 0]])]
     positive = [torch.tensor([[1, 1, 1]]), torch.tensor([[0, 0, 0], [1, 1, 1]])]
-    norm = global_loss_normalisers(masks, positive, 3, dp_cp_group=None, cp_size=1)
+    norm = global_loss_normalisers(
+        masks, positive, 3, dp_cp_group=None, cp_size=1, device=torch.device("cpu")
+    )
     assert (norm.num_tokens.item(), norm.num_seqs.item(), norm.num_positive_tokens.item()) == (
         5,
         3,
         3,
     )
     with pytest.raises(ValueError, match="positive masks"):
-        global_loss_normalisers(masks, positive[:1], 3, dp_cp_group=None, cp_size=1)
+        global_loss_normalisers(
+            masks, positive[:1], 3, dp_cp_group=None, cp_size=1, device=torch.device("cpu")
+        )
     assert sum_metrics({"a": torch.tensor(0.25), "b": torch.tensor(1.0)}, None) == {
         "a": 0.25,
         "b": 1.0,

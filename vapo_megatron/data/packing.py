@@ -12,6 +12,8 @@ its two load-balanced chunks of it (``parallel/context_parallel.py``).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +21,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from vapo_megatron.parallel.context_parallel import split_for_cp, split_packed_for_cp
+from vapo_megatron.parallel.devices import HOST
 
 
 @dataclass
@@ -49,6 +52,46 @@ class MicroBatch:
     num_seqs: int = 0
     """Sequences in the micro-batch."""
 
+    def to(self, device: torch.device) -> MicroBatch:
+        """This micro-batch with every tensor on ``device`` (the model's): the one place a
+        micro-batch leaves the host. Packing builds on the host; the model's engine moves each
+        micro-batch right before its forward, so a step holds one on the device at a time.
+
+        cu_seqlens go as int32 (what Transformer Engine's packed attention takes). Copies are
+        ``non_blocking``; the host side is not pinned: a micro-batch of 16k tokens is ~1 MB
+        (tokens, positions, labels, mask and a few fields), tens of microseconds over PCIe,
+        less than pinning it would cost.
+        """
+        non_blocking = device.type == "cuda"
+
+        def move(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device, non_blocking=non_blocking)
+
+        params = self.packed_seq_params
+        if params is not None:
+            params = dataclasses.replace(
+                params,
+                **{
+                    name: move(getattr(params, name).to(torch.int32))
+                    for name in (
+                        "cu_seqlens_q",
+                        "cu_seqlens_kv",
+                        "cu_seqlens_q_padded",
+                        "cu_seqlens_kv_padded",
+                    )  # fmt: skip
+                    if getattr(params, name) is not None
+                },
+            )
+        return dataclasses.replace(
+            self,
+            tokens=move(self.tokens),
+            position_ids=move(self.position_ids),
+            labels=move(self.labels),
+            response_mask=move(self.response_mask),
+            fields={name: move(value) for name, value in self.fields.items()},
+            packed_seq_params=params,
+        )
+
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
@@ -75,11 +118,11 @@ def _aligned(sample: Sample) -> tuple[torch.Tensor, ...]:
     if not sample.prompt:
         raise ValueError("a sample needs at least one prompt token (the state before the response)")
     n_prompt, n_resp = len(sample.prompt), len(sample.response)
-    tokens = torch.tensor(sample.prompt + sample.response, dtype=torch.long)
+    tokens = torch.tensor(sample.prompt + sample.response, dtype=torch.long, device=HOST)
     length = tokens.numel()
-    labels = torch.zeros(length, dtype=torch.long)
+    labels = torch.zeros(length, dtype=torch.long, device=HOST)
     labels[:-1] = tokens[1:]
-    mask = torch.zeros(length, dtype=torch.bool)
+    mask = torch.zeros(length, dtype=torch.bool, device=HOST)
     mask[n_prompt - 1 : n_prompt - 1 + n_resp] = True
     fields = {}
     for name, values in sample.fields.items():
@@ -87,7 +130,7 @@ def _aligned(sample: Sample) -> tuple[torch.Tensor, ...]:
             raise ValueError(
                 f"field {name!r} must have one value per response token ({n_resp}), got {tuple(values.shape)}"
             )
-        full = torch.zeros(length, dtype=values.dtype)
+        full = torch.zeros(length, dtype=values.dtype, device=HOST)
         full[n_prompt - 1 : n_prompt - 1 + n_resp] = values
         fields[name] = full
     return tokens, labels, mask, fields
@@ -110,7 +153,7 @@ def pack(
     padded[-1] += total - sum(padded)
 
     def row(parts: list[torch.Tensor], dtype) -> torch.Tensor:
-        out = torch.zeros(total, dtype=dtype)
+        out = torch.zeros(total, dtype=dtype, device=HOST)
         start = 0
         for part, width in zip(parts, padded, strict=True):
             out[start : start + part.numel()] = part
@@ -120,10 +163,10 @@ def pack(
     tokens = row([a[0] for a in aligned], torch.long)
     labels = row([a[1] for a in aligned], torch.long)
     mask = row([a[2] for a in aligned], torch.bool)
-    positions = row([torch.arange(n) for n in lengths], torch.long)
+    positions = row([torch.arange(n, device=HOST) for n in lengths], torch.long)
     fields = {n: row([a[3][n] for a in aligned], aligned[0][3][n].dtype) for n in names}
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=HOST)
+    cu_padded = torch.tensor([0, *itertools.accumulate(padded)], dtype=torch.int32, device=HOST)
 
     def split(x: torch.Tensor) -> torch.Tensor:
         return split_packed_for_cp(x, cu_padded, cp_size, cp_rank) if cp_size > 1 else x
@@ -161,7 +204,7 @@ def pad(
     width = _round_up(max(a[0].numel() for a in aligned), _cp_multiple(cp_size) * pad_multiple)
 
     def rows(index: int, dtype, name: str | None = None) -> torch.Tensor:
-        out = torch.zeros(len(aligned), width, dtype=dtype)
+        out = torch.zeros(len(aligned), width, dtype=dtype, device=HOST)
         for b, a in enumerate(aligned):
             part = a[index] if name is None else a[index][name]
             out[b, : part.numel()] = part
@@ -170,7 +213,7 @@ def pad(
     def split(x: torch.Tensor) -> torch.Tensor:
         return split_for_cp(x, cp_size, cp_rank, dim=1) if cp_size > 1 else x
 
-    positions = torch.arange(width).expand(len(aligned), width)
+    positions = torch.arange(width, device=HOST).expand(len(aligned), width)
     return MicroBatch(
         tokens=split(rows(0, torch.long)),
         position_ids=split(positions),

@@ -31,6 +31,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from vapo_megatron.parallel.devices import HOST
+
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
@@ -233,12 +235,12 @@ def _packed_bounds(
 def _local_token_index(bounds: tuple[int, ...], cp_size: int, cp_rank: int) -> Tensor:
     """Positions in the full padded packing of rank ``cp_rank``'s tokens, in its order."""
     if cp_size == 1:  # all tokens, in order (lengths need not be even)
-        return torch.arange(bounds[-1])
+        return torch.arange(bounds[-1], device=HOST)
     pieces = []
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         chunk = (end - start) // (2 * cp_size)
         for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
+            pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk, device=HOST))
     return torch.cat(pieces)
 
 
@@ -261,10 +263,11 @@ def _attention_layout(
     key_order = torch.argsort(gathered)
     query_index = _local_token_index(bounds, cp_size, cp_rank)
 
-    starts = torch.tensor(bounds[:-1])
-    position = torch.arange(total)
-    sequence = torch.bucketize(position, torch.tensor(bounds[1:]), right=True)  # [T]
-    real = position - starts[sequence] < torch.tensor(real_lengths)[sequence]  # [T]
+    # Built on the host from Python bounds, cached per layout, moved once (below).
+    starts = torch.tensor(bounds[:-1], device=HOST)
+    position = torch.arange(total, device=HOST)
+    sequence = torch.bucketize(position, torch.tensor(bounds[1:], device=HOST), right=True)  # [T]
+    real = position - starts[sequence] < torch.tensor(real_lengths, device=HOST)[sequence]  # [T]
 
     q_sequence, q_real = sequence[query_index], real[query_index]
     allowed = (q_sequence[:, None] == sequence[None, :]) & real[None, :] & q_real[:, None]

@@ -272,7 +272,7 @@ def _read_header(file: Path, name: str) -> dict[str, TensorInfo]:
 def _read_tensor(f: io.RawIOBase, info: TensorInfo) -> torch.Tensor:
     """One tensor read into fresh memory with plain reads: unlike safetensors' memory map,
     the file's pages do not join this process's resident memory."""
-    tensor = torch.empty(info.shape, dtype=info.dtype)
+    tensor = torch.empty(info.shape, dtype=info.dtype, device="cpu")  # read from a file: host
     buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
     f.seek(info.offset)
     done = 0

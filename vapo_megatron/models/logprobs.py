@@ -18,10 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from vapo_megatron.parallel import collectives
+
 
 def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+    if group is not None:
+        collectives.all_reduce(x, group, op)
     return x
 
 

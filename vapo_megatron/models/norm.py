@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer import TransformerConfig
 
+from vapo_megatron.parallel.devices import init_device
+
 
 class RMSNorm(torch.nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), over the last dim; x: [..., hidden]."""
@@ -36,7 +38,13 @@ class RMSNorm(torch.nn.Module):
                 f"this norm is RMSNorm with a plain gain; got normalization={config.normalization!r}, "
                 f"zero_centered_gamma={zero_centered_gamma or config.layernorm_zero_centered_gamma}"
             )
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(
+            torch.ones(
+                hidden_size,
+                dtype=config.params_dtype,
+                device=init_device(config.use_cpu_initialization),
+            )
+        )
         self.weight.sequence_parallel = config.sequence_parallel
         self.eps = eps
 

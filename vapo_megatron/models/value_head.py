@@ -23,14 +23,22 @@ class ValueHead(torch.nn.Module):
     sequence-parallel gather.
 
     The weight starts at zero (V = 0 everywhere): identical on every rank without coordinating
-    random streams; value pretraining, or a reward model's head, gives it its values.
+    random streams; value pretraining, or a reward model's head, gives it its values. It is
+    made on ``device``, where megatron makes the model's other parameters
+    (``parallel.devices.init_device``): without the distributed optimizer nothing else would
+    move it to the GPU.
     """
 
     def __init__(
-        self, hidden_size: int, *, sequence_parallel: bool, tp_group: dist.ProcessGroup | None
+        self,
+        hidden_size: int,
+        *,
+        sequence_parallel: bool,
+        tp_group: dist.ProcessGroup | None,
+        device: torch.device,
     ):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, device=device))
         self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group
 

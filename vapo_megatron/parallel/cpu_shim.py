@@ -185,8 +185,8 @@ def _cpu_factory(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     def make(
         *args: Any, device: Any = None, pin_memory: bool = False, **kwargs: Any
     ) -> torch.Tensor:
-        if device is not None and str(device).startswith("cuda"):
-            device = "cpu"
+        if device is None or str(device).startswith("cuda"):
+            device = "cpu"  # this shim runs only without CUDA: the host is the device
         return factory(*args, device=device, **kwargs)
 
     return make

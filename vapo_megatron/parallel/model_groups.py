@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.parallel.groups import ParallelGroups
 
 # Coordinates of a rank, fastest-varying first (megatron's "tp-cp-ep-dp-pp" with ep = 1).
@@ -56,6 +57,11 @@ class ModelGroups:
     """Megatron's groups for this model (pass as ``pg_collection=``)."""
     parallel: ParallelGroups
     """The project's small bundle (tp, pp, cp, dp, dp_cp) over the same groups."""
+    world: dist.ProcessGroup
+    """Every rank, on the default backend (NCCL on GPU): device tensors only."""
+    host: dist.ProcessGroup
+    """Every rank, on gloo: host-side bookkeeping and objects (``parallel/collectives.py``).
+    One per job, shared by both models (``build_model_groups(host=)``)."""
     tp_size: int
     """Tensor-parallel size."""
     pp_size: int
@@ -91,6 +97,8 @@ class ModelGroups:
         return cls(
             pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
             parallel=ParallelGroups.from_parallel_state(),
+            world=dist.group.WORLD,
+            host=make_host_group(),
             tp_size=ps.get_tensor_model_parallel_world_size(),
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             cp_size=ps.get_context_parallel_world_size(),
@@ -102,12 +110,20 @@ class ModelGroups:
         )
 
 
-def build_model_groups(*, tp: int, pp: int, cp: int, world_size: int | None = None) -> ModelGroups:
+def build_model_groups(
+    *,
+    tp: int,
+    pp: int,
+    cp: int,
+    world_size: int | None = None,
+    host: dist.ProcessGroup | None = None,
+) -> ModelGroups:
     """New gloo/NCCL groups (the default backend) for one model with this layout.
 
     Collective: every rank calls it with the same sizes, in the same order (once per model),
     because ``torch.distributed.new_group`` must be called by all ranks for every group.
-    DP takes the remaining ranks: dp = world / (tp * pp * cp). Also creates megatron's scratch
+    DP takes the remaining ranks: dp = world / (tp * pp * cp). ``host``: the job's gloo group
+    (``parallel.collectives.make_host_group``); None makes one for this model. Also creates megatron's scratch
     buffer, so a later ``parallel_state.initialize_model_parallel`` must come after
     ``destroy_global_memory_buffer()`` (``cpu_shim.initialize_megatron_cpu`` does that).
     """
@@ -168,6 +184,8 @@ def build_model_groups(*, tp: int, pp: int, cp: int, world_size: int | None = No
     return ModelGroups(
         pg_collection=pgs,
         parallel=ParallelGroups(tp=tp_g, pp=pp_g, cp=cp_g, dp=dp_g, dp_cp=dp_cp),
+        world=everyone,
+        host=make_host_group() if host is None else host,
         tp_size=tp,
         pp_size=pp,
         cp_size=cp,

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from vapo_megatron.parallel import collectives
+
 
 @dataclass(frozen=True)
 class LossNormalisers:
@@ -35,13 +37,15 @@ def global_loss_normalisers(
     *,
     dp_cp_group: dist.ProcessGroup | None,
     cp_size: int,
+    device: torch.device,
 ) -> LossNormalisers:
     """Count this rank's tokens over all its micro-batches and sum over ``dp_cp_group``.
 
     response_masks[i], positive_masks[i]: micro-batch i's masks (any shape, same per i).
     num_seqs: sequences this rank's data-parallel replica trains on. Every context-parallel
     rank of a replica holds a shard of the same sequences, so the sum over the group counts
-    each sequence cp_size times and is divided by cp_size.
+    each sequence cp_size times and is divided by cp_size. ``device``: the model's (the counts
+    meet its losses, and the group's backend may be NCCL); the masks may be anywhere.
     """
     if len(response_masks) != len(positive_masks):
         raise ValueError(
@@ -49,17 +53,17 @@ def global_loss_normalisers(
         )
     if not response_masks:
         raise ValueError(
-            "global_loss_normalisers needs at least one micro-batch (the counts live on its "
-            "device); give a rank without data one empty mask"
+            "global_loss_normalisers needs at least one micro-batch; give a rank without data "
+            "one empty mask"
         )
-    # On the masks' device: NCCL all-reduces only CUDA tensors.
     counts = torch.zeros(3, dtype=torch.float64, device=response_masks[0].device)
     for mask, positive in zip(response_masks, positive_masks, strict=True):
         counts[0] += mask.sum()
         counts[2] += (mask.bool() & positive.bool()).sum()
     counts[1] = num_seqs
-    if dp_cp_group is not None and dist.get_world_size(dp_cp_group) > 1:
-        dist.all_reduce(counts, group=dp_cp_group)
+    counts = counts.to(device)
+    if dp_cp_group is not None:
+        collectives.all_reduce(counts, dp_cp_group)
     counts[1] /= cp_size
     return LossNormalisers(num_tokens=counts[0], num_seqs=counts[1], num_positive_tokens=counts[2])
 
@@ -72,6 +76,6 @@ def sum_metrics(
     if not names:
         return {}
     stacked = torch.stack([metrics[n].detach().to(torch.float64).reshape(()) for n in names])
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(stacked, group=group)
+    if group is not None:
+        collectives.all_reduce(stacked, group)
     return dict(zip(names, stacked.tolist(), strict=True))

@@ -60,6 +60,10 @@ class RolloutConfig:
     """Bytes per weight-sync message; the extra memory of a sync is about one bucket per rank."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Which log-probs generate returns: the model's own distribution (temperature 1, no top-p), or the one sampled from."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """'auto': read model_path's weights at start; 'dummy': random weights of the right shapes
+    (the trainer's engines: the first sync overwrites every weight, so no rank reads the
+    checkpoint, 65 GB at 32B, only to discard it). Evaluation of a saved model keeps 'auto'."""
     sleep_level: SleepLevel = 1
     """GPU: what sleep frees. 1: weights to host memory, KV cache dropped; 2: both dropped (a full
     sync must follow every wake). CPU: vLLM has no sleep mode; only the order is checked."""
@@ -75,6 +79,8 @@ class RolloutConfig:
             raise ValueError(f"weight_bucket_bytes must be > 0, got {self.weight_bucket_bytes}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0 or null, got {self.kv_cache_bytes}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {self.sleep_level!r}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
@@ -265,6 +271,7 @@ class RolloutEngine:
             dtype=config.dtype,
             max_model_len=config.max_model_len,
             seed=config.seed,
+            load_format=config.load_format,
             enforce_eager=config.enforce_eager,
             kv_cache_memory_bytes=kv_cache_bytes,
             gpu_memory_utilization=config.gpu_memory_utilization,

@@ -23,6 +23,7 @@ from megatron.core.transformer import TransformerConfig
 
 from vapo_megatron.models.hf_weights import GatherBuffers, gather_hf_weights, model_chunks_of_rank
 from vapo_megatron.models.record import ModelRecord
+from vapo_megatron.parallel import collectives
 from vapo_megatron.rollout.weight_buckets import NamedTensor, iter_buckets
 
 
@@ -80,9 +81,11 @@ def stream_policy_weights(
     """
     if buffers is None:
         buffers = GatherBuffers(limit_bytes=bucket_bytes)
+    # PP messages live where the parameters do: the pipeline group's backend is the model's.
+    device = next(models[0].parameters()).device
     if receiver is not None:
         yield from _stream_to_receiver(
-            models, record, config, tp_group, pp_group, bucket_bytes, receiver
+            models, record, config, tp_group, pp_group, bucket_bytes, receiver, device
         )
         return
     pp_size = 1 if pp_group is None else dist.get_world_size(pp_group)
@@ -102,26 +105,26 @@ def stream_policy_weights(
             continue
         source = dist.get_global_rank(pp_group, stage)
         for views, flat in _bucket_buffers(
-            record, config, stage, bucket_bytes, gathered if own else None, buffers
+            record, config, stage, bucket_bytes, gathered if own else None, device, buffers
         ):
-            dist.broadcast(flat, src=source, group=pp_group)
+            collectives.broadcast(flat, src=source, group=pp_group)
             yield views
             del views, flat  # the consumer's hold alone decides when the buffer is reused
         if own:
             assert next(gathered, None) is None, "the record's plan missed a tensor"
 
 
-def _bucket_buffers(record, config, stage, bucket_bytes, source, buffers=None):
-    """(views, flat buffer) per bucket of ``stage``'s plan; filled from ``source`` if given.
-
-    The flat buffer comes from ``buffers`` when given (the broadcast path), else it is new."""
+def _bucket_buffers(record, config, stage, bucket_bytes, source, device, buffers=None):
+    """(views, flat buffer) per bucket of ``stage``'s plan, on ``device``; filled from
+    ``source`` if given. The flat buffer comes from ``buffers`` when given (the broadcast
+    path), else it is new."""
     dtype = config.params_dtype
     for plan in iter_buckets(_stage_plan(record, config, stage, dtype), bucket_bytes):
         numel = sum(meta.numel() for _, meta in plan)
         flat = (
-            torch.empty(numel, dtype=dtype)
+            torch.empty(numel, dtype=dtype, device=device)
             if buffers is None
-            else buffers.take((numel,), dtype, torch.get_default_device())
+            else buffers.take((numel,), dtype, device)
         )
         views, offset = [], 0
         for name, meta in plan:
@@ -137,7 +140,7 @@ def _bucket_buffers(record, config, stage, bucket_bytes, source, buffers=None):
         del views, flat
 
 
-def _stream_to_receiver(models, record, config, tp_group, pp_group, bucket_bytes, receiver):
+def _stream_to_receiver(models, record, config, tp_group, pp_group, bucket_bytes, receiver, device):
     me = dist.get_rank()
     tp_leader = tp_group is None or dist.get_rank(tp_group) == 0
     gathered = gather_hf_weights(
@@ -156,13 +159,13 @@ def _stream_to_receiver(models, record, config, tp_group, pp_group, bucket_bytes
         )
     my_stage = stages.index(me)
     if me != receiver:  # a stage's first TP rank: send the stage's buckets to the receiver
-        for _, flat in _bucket_buffers(record, config, my_stage, bucket_bytes, gathered):
-            dist.send(flat, dst=receiver)
+        for _, flat in _bucket_buffers(record, config, my_stage, bucket_bytes, gathered, device):
+            collectives.send(flat, dst=receiver)
         return
     for stage, rank in enumerate(stages):
         if rank == me:
             yield from iter_buckets(gathered, bucket_bytes)
             continue
-        for views, flat in _bucket_buffers(record, config, stage, bucket_bytes, None):
-            dist.recv(flat, src=rank)
+        for views, flat in _bucket_buffers(record, config, stage, bucket_bytes, None, device):
+            collectives.recv(flat, src=rank)
             yield views

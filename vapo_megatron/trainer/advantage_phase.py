@@ -20,10 +20,10 @@ from vapo_megatron.algorithms.group_advantages import group_normalized_advantage
 
 def terminal_rewards(rewards: Sequence[float], offsets: torch.Tensor) -> torch.Tensor:
     """[N] zeros with rewards[i] at sample i's last response token (offsets: [S + 1])."""
-    flat = torch.zeros(int(offsets[-1]), dtype=torch.float32)
+    flat = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=offsets.device)
     if (offsets.diff() < 1).any():
         raise ValueError("every sample needs at least one response token to carry its reward")
-    flat[offsets[1:] - 1] = torch.tensor(list(rewards), dtype=torch.float32)
+    flat[offsets[1:] - 1] = torch.tensor(list(rewards), dtype=torch.float32, device=offsets.device)
     return flat
 
 
@@ -53,7 +53,8 @@ def group_advantages(
 ) -> torch.Tensor:
     """[N]: each sample's group-normalised reward on all of its tokens (GRPO / DAPO)."""
     per_sample = group_normalized_advantages(
-        torch.tensor(list(rewards), dtype=torch.float32), algo.samples_per_prompt,
+        torch.tensor(list(rewards), dtype=torch.float32, device=offsets.device),
+        algo.samples_per_prompt,
         scale_by_std=algo.group_scale_by_std,
     )  # fmt: skip
     return torch.repeat_interleave(per_sample, offsets.diff())

@@ -16,14 +16,15 @@ import torch
 
 from vapo_megatron.data.packing import MicroBatch, Sample, pack
 from vapo_megatron.models.provider import ModelLayout
+from vapo_megatron.parallel.devices import HOST
 
 FLAT_INDEX = "flat_index"
 
 
 def response_offsets(lengths: Sequence[int]) -> torch.Tensor:
     """[S + 1] start of each sample's response tokens in the flat buffer (cu_seqlens)."""
-    out = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    out[1:] = torch.tensor(list(lengths), dtype=torch.long).cumsum(0)
+    out = torch.zeros(len(lengths) + 1, dtype=torch.long, device=HOST)
+    out[1:] = torch.tensor(list(lengths), dtype=torch.long, device=HOST).cumsum(0)
     return out
 
 
@@ -90,11 +91,11 @@ def empty_micro_batch(
 ) -> MicroBatch:
     """A micro-batch whose every position is masked: zero loss, zero gradient, same collectives."""
     length = 2 * layout.cp * max(layout.tp if layout.sequence_parallel else 1, 1)
-    fields = {name: torch.zeros(1) for name in field_names}
+    fields = {name: torch.zeros(1, device=HOST) for name in field_names}
     if FLAT_INDEX in fields:
-        fields[FLAT_INDEX] = torch.zeros(1, dtype=torch.long)
+        fields[FLAT_INDEX] = torch.zeros(1, dtype=torch.long, device=HOST)
     if "positive" in fields:
-        fields["positive"] = torch.zeros(1, dtype=torch.bool)
+        fields["positive"] = torch.zeros(1, dtype=torch.bool, device=HOST)
     sample = Sample(prompt=[0] * (length - 1), response=[0], fields=fields)
     mb = pack([sample], cp_size=layout.cp, cp_rank=cp_rank)
     mb.response_mask.zero_()
@@ -113,7 +114,7 @@ def build_samples(
     out = []
     for i in indices:
         flat = slice(int(offsets[i]), int(offsets[i + 1]))
-        extra = {FLAT_INDEX: torch.arange(flat.start, flat.stop, dtype=torch.long)}
+        extra = {FLAT_INDEX: torch.arange(flat.start, flat.stop, dtype=torch.long, device=HOST)}
         if fields is not None:
             extra.update(fields(i, flat))
         out.append(Sample(prompt=list(prompts[i]), response=list(responses[i]), fields=extra))

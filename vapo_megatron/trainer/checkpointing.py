@@ -48,6 +48,7 @@ from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.utils import unwrap_model
 
 from vapo_megatron.models.checkpoint import CheckpointMetadata, save_sharded_state
+from vapo_megatron.parallel import collectives
 
 if TYPE_CHECKING:
     from vapo_megatron.trainer.model_engine import ModelEngine
@@ -245,7 +246,7 @@ def save_train_checkpoint(
     tmp = root / f"{step_dir_name(step)}.tmp-{token}"
     if rank == 0:
         tmp.mkdir(parents=True)
-    dist.barrier(group=group)
+    collectives.barrier(group)
     own = _rank_file(rank)
     _save(_rng_state(), tmp / "rng" / own)
     for name, state in models.items():
@@ -265,10 +266,10 @@ def save_train_checkpoint(
             },
         }
         (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    dist.barrier(group=group)
+    collectives.barrier(group)
     if rank == 0:
         publish(tmp, root, step, keep_last=keep_last)
-    dist.barrier(group=group)
+    collectives.barrier(group)
     return root / step_dir_name(step)
 
 
@@ -354,9 +355,7 @@ def _save_weights(state: TrainableState, directory: Path, step: int) -> None:
 
 
 def _from_rank0(value: Any, group: dist.ProcessGroup | None) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    return box[0]
+    return collectives.broadcast_object(value, group)
 
 
 def _rank_file(rank: int) -> str:

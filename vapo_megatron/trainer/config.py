@@ -212,6 +212,11 @@ class TrainerSettings:
     """Log to this wandb project too (needs the wandb extra)."""
     progress_bar: bool = True
     """A progress bar on rank 0's console."""
+    dist_timeout_minutes: float = 60.0
+    """How long a rank waits in one collective before the job fails (NCCL and the host
+    group). Fast replicas wait in the trajectory gather for the slowest's generation tail
+    (32B recipe: 20k tokens at ~30 ms a decode step is ~10 min) and every rank waits while
+    checkpoints are written; torch's NCCL default of 10 min would kill healthy runs."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,6 +324,10 @@ class TrainConfig:
                 "tools/convert.py hf-to-mcore --critic-from reward-model, or an HF "
                 "*ForSequenceClassification directory); set it, or set "
                 "algorithm.critic_init=policy to start the critic from the policy's weights"
+            )
+        if trainer.dist_timeout_minutes <= 0:
+            raise ValueError(
+                f"trainer.dist_timeout_minutes must be > 0, got {trainer.dist_timeout_minutes}"
             )
         if trainer.keep_last < 1:
             raise ValueError(f"trainer.keep_last must be >= 1, got {trainer.keep_last}")

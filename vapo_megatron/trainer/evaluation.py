@@ -37,13 +37,16 @@ def evaluate(session, step: int, prompts: Sequence | None = None) -> dict[str, f
         seed=sampling_seed(cfg.trainer.seed + EVAL_SEED_OFFSET, step, 0, session.replica),
         routing=session.routing, grader_timeout_s=cfg.reward.timeout_s, stats=stats,
         replica=session.replica, num_replicas=session.num_replicas,
+        host_group=session.host_group,
     )  # fmt: skip
     session.rollout.sleep()
     k = ev.k
     groups = [trajectories[i : i + k] for i in range(0, len(trajectories), k)]
     accs = [t.acc for t in trajectories]
     # Standard error of avg@k over prompts: the spread of per-prompt accuracies / sqrt(prompts).
-    per_prompt = torch.tensor([sum(t.acc for t in g) / len(g) for g in groups], dtype=torch.float64)
+    per_prompt = torch.tensor(
+        [sum(t.acc for t in g) / len(g) for g in groups], dtype=torch.float64, device="cpu"
+    )
     stderr = per_prompt.std().item() / math.sqrt(len(groups)) if len(groups) > 1 else float("nan")
     return {
         f"avg@{k}": sum(accs) / max(len(accs), 1),
@@ -65,10 +68,12 @@ class EvalSession:
         import torch.distributed as dist
         from transformers import AutoTokenizer
 
+        from vapo_megatron.parallel.collectives import make_host_group
         from vapo_megatron.rewards.registry import resolve_routing
         from vapo_megatron.trainer import session as train_session
 
-        train_session.init_distributed()
+        train_session.init_distributed(train_session.dist_timeout(config))
+        self.host_group = make_host_group(train_session.dist_timeout(config))
         tp = config.rollout.tensor_parallel_size
         if dist.get_world_size() % tp:  # only the engines' layout matters here
             raise ValueError(
@@ -92,7 +97,9 @@ class EvalSession:
     def close(self) -> None:
         import torch.distributed as dist
 
-        dist.barrier()
+        from vapo_megatron.parallel.collectives import barrier
+
+        barrier(self.host_group)
         self.rollout.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -11,14 +11,24 @@ import torch.distributed as dist
 
 from vapo_megatron.models import hf_io
 from vapo_megatron.models.checkpoint import make_metadata
+from vapo_megatron.parallel import collectives
+from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rollout.weight_stream import stream_policy_weights
 from vapo_megatron.trainer.model_engine import ModelEngine
 
 BUCKET_BYTES = 256 << 20
 
 
-def export_hf(engine: ModelEngine, out_dir: Path, *, hf_config: dict, assets_from: str) -> Path:
-    """Collective: every rank streams; rank 0 writes ``out_dir`` (replaced atomically)."""
+def export_hf(
+    engine: ModelEngine,
+    out_dir: Path,
+    *,
+    hf_config: dict,
+    assets_from: str,
+    host_group: dist.ProcessGroup | None,
+) -> Path:
+    """Collective: every rank streams; rank 0 writes ``out_dir`` (replaced atomically) while
+    the others wait on ``host_group`` (gloo: the wait costs no GPU and follows its timeout)."""
     rank = dist.get_rank()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     writer = None
@@ -34,7 +44,7 @@ def export_hf(engine: ModelEngine, out_dir: Path, *, hf_config: dict, assets_fro
     for bucket in buckets:
         if writer is not None:
             for name, tensor in bucket:
-                writer.add(name, tensor.clone())
+                writer.add(name, tensor.to(HOST, copy=True))  # safetensors writes host memory
     if rank == 0:
         writer.close()
         meta = make_metadata(
@@ -45,5 +55,5 @@ def export_hf(engine: ModelEngine, out_dir: Path, *, hf_config: dict, assets_fro
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
-    dist.barrier()
+    collectives.barrier(host_group)
     return out_dir

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from vapo_megatron.algorithms.value_pretrain import ValuePretrainStop
 from vapo_megatron.models import hf_io
+from vapo_megatron.parallel import collectives
+from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.trainer.checkpointing import (
     TrainableState,
     latest_step,
@@ -36,7 +38,7 @@ logger = logging.getLogger("vapo_megatron")
 PRETRAIN_SEED_KEY = 10**6  # critic-pretraining steps draw other seeds than VAPO steps
 
 
-def prepare_run_dir(config: TrainConfig) -> Path:
+def prepare_run_dir(config: TrainConfig, host_group: dist.ProcessGroup) -> Path:
     """Create the run directory (rank 0 writes config.yaml); refuse a used one with resume=never."""
     run_dir = Path(config.trainer.run_dir)
     checkpoints = run_dir / "checkpoints"
@@ -48,11 +50,11 @@ def prepare_run_dir(config: TrainConfig) -> Path:
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(config, run_dir / "config.yaml")
-    dist.barrier()
+    collectives.barrier(host_group)
     return run_dir
 
 
-def ensure_tiny_assets(config: TrainConfig) -> None:
+def ensure_tiny_assets(config: TrainConfig, host_group: dist.ProcessGroup) -> None:
     """model.create_tiny: rank 0 builds the tiny task and model where they are missing."""
     model, data = config.model, config.data
     if not model.create_tiny:
@@ -84,7 +86,7 @@ def ensure_tiny_assets(config: TrainConfig) -> None:
                 "tiny model written to %s (%d warm-up steps, %.0f s)",
                 model.path, model.tiny_warmup_steps, time.perf_counter() - started,
             )  # fmt: skip
-    dist.barrier()
+    collectives.barrier(host_group)
 
 
 class Run:
@@ -121,7 +123,7 @@ class Run:
         }
         save_train_checkpoint(
             self.root, self._checkpoint_index(), self.models(), extra,
-            keep_last=self.cfg.trainer.keep_last,
+            keep_last=self.cfg.trainer.keep_last, group=self.session.host_group,
         )  # fmt: skip
 
     def _checkpoint_index(self) -> int:
@@ -129,7 +131,7 @@ class Run:
         return self.state["pretrain_step"] + self.state["step"]
 
     def resume(self) -> bool:
-        extra = load_train_checkpoint(self.root, self.models())
+        extra = load_train_checkpoint(self.root, self.models(), group=self.session.host_group)
         if extra is None:
             return False
         self.state.update(extra["state"])
@@ -143,12 +145,13 @@ class Run:
 def train(config: TrainConfig) -> dict:
     """Run (or resume) the experiment; return the summary (also written to summary.json)."""
     start = time.perf_counter()
-    from vapo_megatron.trainer.session import init_distributed
+    from vapo_megatron.trainer.session import dist_timeout, init_distributed
 
-    init_distributed()
-    ensure_tiny_assets(config)
-    run_dir = prepare_run_dir(config)
-    session = Session(config, run_dir)
+    init_distributed(dist_timeout(config))
+    host = make_host_group(dist_timeout(config))
+    ensure_tiny_assets(config, host)
+    run_dir = prepare_run_dir(config, host)
+    session = Session(config, run_dir, host_group=host)
     run = Run(session)
     resumed = config.trainer.resume == "auto" and run.resume()
     is_rank0 = session.rank == 0
@@ -174,12 +177,13 @@ def train(config: TrainConfig) -> dict:
                     step, metrics.get("critic/explained_variance", float("nan"))
                 ):
                     break
-                if flag.should_save():
+                if flag.should_save(host):
                     run.save()
                     return _preempted(session, run)
             export_hf(
                 session.critic, session.pretrained_critic_dir(),
                 hf_config=hf_io.read_config(config.model.path), assets_from=config.model.path,
+                host_group=host,
             )  # fmt: skip
             run.state["pretrain_done"] = True
             summary["critic_pretrain_steps"] = run.state["pretrain_step"]
@@ -193,7 +197,7 @@ def train(config: TrainConfig) -> dict:
             metrics = run_step(session, step, pretrain=False)
             run.state["step"] = step
             metrics_log.log(step, metrics, phase="train")
-            preempted = flag.should_save()
+            preempted = flag.should_save(host)
             every = config.trainer.checkpoint_every
             if preempted or (every and step % every == 0 and step < config.trainer.steps):
                 started = time.perf_counter()
@@ -219,6 +223,7 @@ def train(config: TrainConfig) -> dict:
             export_hf(
                 session.policy, run_dir / "hf_policy",
                 hf_config=hf_io.read_config(config.model.path), assets_from=config.model.path,
+                host_group=host,
             )  # fmt: skip
             summary["hf_policy"] = str(run_dir / "hf_policy")
         summary.update(

@@ -48,6 +48,7 @@ from vapo_megatron.models.provider import (
     transformer_config,
 )
 from vapo_megatron.models.record import ModelRecord
+from vapo_megatron.parallel.devices import training_device
 from vapo_megatron.parallel.model_groups import ModelGroups, seed_rng_tracker
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -155,7 +156,13 @@ class ModelEngine:
         )
         self.chunks: list[DistributedDataParallel] = []
         models = build_model(hf, self.config, head=head, pg_collection=pgs, layer_spec=layer_spec)
+        self.device = training_device()
+        """Where the model, its inputs and its collectives' tensors live."""
         for i, model in enumerate(models):
+            # Megatron builds its layers on the GPU already (use_cpu_initialization=False);
+            # this moves what it does not own (RoPE buffers, the project's norms and value
+            # head) and is a no-op on CPU. Megatron-LM's get_model does the same.
+            model.to(self.device)
             module = Float16Module(self.config, model) if bf16 else model
             self.chunks.append(
                 DistributedDataParallel(
@@ -303,7 +310,8 @@ class ModelEngine:
             return loss * scale, metrics
 
         def forward_step(data_iterator, model):
-            micro_batch = next(data_iterator)
+            # The one place a micro-batch leaves the host, right before its forward.
+            micro_batch = next(data_iterator).to(self.device)
             output = model(
                 micro_batch.tokens,
                 micro_batch.position_ids,

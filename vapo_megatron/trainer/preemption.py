@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vapo_megatron.parallel import collectives
+
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -44,9 +46,10 @@ class PreemptionFlag:
 
     def should_save(self, group: dist.ProcessGroup | None = None) -> bool:
         """Whether any rank of ``group`` was signalled (collective: call it on every rank)."""
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        flag = torch.tensor([0 if self.received is None else 1], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        flag = torch.tensor(
+            [0 if self.received is None else 1], device=collectives.group_device(group)
+        )
+        collectives.all_reduce(flag, group, dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def uninstall(self) -> None:

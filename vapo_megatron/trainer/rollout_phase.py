@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.group_advantages import soft_overlong_penalty
-from vapo_megatron.parallel.gather import all_gather_objects
+from vapo_megatron.parallel import collectives
+from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rewards.registry import score_responses
 
 
@@ -89,10 +90,13 @@ def generate_and_grade(
     stats: RolloutStats,
     replica: int,
     num_replicas: int,
+    host_group: dist.ProcessGroup,
 ) -> list[Trajectory]:
     """Generate ``n`` responses for this replica's share of ``prompts`` (TokenizedPrompt list,
     the same on every rank), grade them, and gather everyone's: every rank returns all
-    ``len(prompts) * n`` trajectories in (group, sample) order."""
+    ``len(prompts) * n`` trajectories in (group, sample) order. The trajectories and the
+    counts travel over ``host_group`` (gloo): they are host data, and while vLLM still holds
+    the GPU an object gather on NCCL would stage world x payload bytes on it."""
     import time
 
     share = replica_share(len(prompts), num_replicas, replica)
@@ -125,17 +129,16 @@ def generate_and_grade(
         )
     counts = torch.tensor(
         [grading.num_errors, grading.num_timeouts, time.perf_counter() - generated,
-         generated - start], dtype=torch.float64,
+         generated - start], dtype=torch.float64, device=HOST,
     )  # fmt: skip
     # The ranks of a replica hold the same samples (vLLM TP in lockstep): its first rank alone
     # hands them, and its counts, to the gather; replicas are consecutive rank groups.
     if dist.get_rank() % (dist.get_world_size() // num_replicas):
         local = []
         counts.zero_()
-    gathered = all_gather_objects(local) if dist.get_world_size() > 1 else [local]
-    if dist.get_world_size() > 1:
-        dist.all_reduce(counts)
-        counts[2:] /= num_replicas  # mean seconds over replicas
+    gathered = collectives.all_gather_objects(local, host_group)
+    collectives.all_reduce(counts, host_group)
+    counts[2:] /= num_replicas  # mean seconds over replicas
     stats.grader_errors += int(counts[0])
     stats.grader_timeouts += int(counts[1])
     stats.reward_seconds += float(counts[2])
@@ -151,7 +154,7 @@ def shape_rewards(trajectories: list[Trajectory], algo: AlgoConfig, max_new_toke
         for t in trajectories:
             t.reward = t.score
         return
-    lengths = torch.tensor([len(t.response) for t in trajectories])
+    lengths = torch.tensor([len(t.response) for t in trajectories], device=HOST)
     penalty = soft_overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer_len)
     for t, p in zip(trajectories, penalty.tolist(), strict=True):
         t.reward = t.score + p

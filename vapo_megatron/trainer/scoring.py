@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from vapo_megatron.parallel.gather import all_gather_varlen
+from vapo_megatron.parallel.collectives import all_gather_varlen
+from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.trainer.batching import (
     FLAT_INDEX,
     build_samples,
@@ -46,20 +47,27 @@ def score_flat(
         field_names=[FLAT_INDEX],
     )  # fmt: skip
     outputs = engine.run(mbs, scoring_fn, forward_only=True)
+    # Gathered on the model's device over the world group (NCCL on GPU); the step's flat
+    # buffer is host bookkeeping, so the result comes back to the host once.
+    device = engine.device
     index_parts, value_parts = [], []
     if engine.is_last_stage and engine.tp_rank == 0:
         for mb, out in zip(mbs, outputs, strict=True):
-            mask = mb.response_mask
-            index_parts.append(mb.fields[FLAT_INDEX][mask])
+            mask = mb.response_mask.to(device)
+            index_parts.append(mb.fields[FLAT_INDEX].to(device)[mask])
             value_parts.append(out[output_key][mask].to(torch.float32))
-    index = torch.cat(index_parts) if index_parts else torch.zeros(0, dtype=torch.long)
-    value = torch.cat(value_parts) if value_parts else torch.zeros(0)
-    index, value = all_gather_varlen(index), all_gather_varlen(value)
+    index = (
+        torch.cat(index_parts) if index_parts else torch.zeros(0, dtype=torch.long, device=device)
+    )
+    value = torch.cat(value_parts) if value_parts else torch.zeros(0, device=device)
+    world = engine.groups.world
+    index = all_gather_varlen(index, world).to(HOST)
+    value = all_gather_varlen(value, world).to(HOST)
     if index.numel() != total or (total and torch.bincount(index, minlength=total).ne(1).any()):
         raise RuntimeError(
             f"scoring pass covered {index.numel()} of {total} response tokens on rank "
             f"{dist.get_rank()} (layout {engine.layout}): every token must be scored once"
         )
-    flat = torch.zeros(total, dtype=torch.float32)
+    flat = torch.zeros(total, dtype=torch.float32, device=HOST)
     flat[index] = value
     return flat

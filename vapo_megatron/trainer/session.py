@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -22,6 +23,8 @@ from vapo_megatron.data.sampler import PromptSampler
 from vapo_megatron.models import checkpoint as mckpt
 from vapo_megatron.models import hf_io
 from vapo_megatron.models.config import HFModelConfig
+from vapo_megatron.parallel import collectives
+from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.parallel.model_groups import (
     build_model_groups,
     ensure_global_memory_buffer,
@@ -34,22 +37,32 @@ from vapo_megatron.trainer.model_engine import ModelEngine
 logger = logging.getLogger("vapo_megatron")
 
 
-def init_distributed() -> None:
-    """The default process group (gloo on CPU, NCCL on GPU) and, on CPU, the Megatron shim."""
+def init_distributed(timeout: timedelta | None = None) -> None:
+    """The default process group (gloo on CPU, NCCL on GPU) and, on CPU, the Megatron shim.
+
+    ``timeout`` bounds every collective of the default group (``trainer.dist_timeout_minutes``;
+    torch's NCCL default is 10 minutes). On GPU each rank takes device LOCAL_RANK first, so
+    NCCL and every later allocation land on its own GPU."""
     if not dist.is_initialized():
+        kwargs = {} if timeout is None else {"timeout": timeout}
         if "RANK" not in os.environ:  # one plain process
             dist.init_process_group(
-                "gloo", store=dist.HashStore(), rank=0, world_size=1
+                "gloo", store=dist.HashStore(), rank=0, world_size=1, **kwargs
             )  # fmt: skip
         else:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **kwargs)
     if not torch.cuda.is_available():
         from vapo_megatron.parallel.cpu_shim import apply_cpu_shim
 
         apply_cpu_shim()
+
+
+def dist_timeout(config: TrainConfig) -> timedelta:
+    """The recipe's collective timeout."""
+    return timedelta(minutes=config.trainer.dist_timeout_minutes)
 
 
 @dataclass
@@ -96,7 +109,7 @@ def _critic_from_policy(
 ) -> dict[str, torch.Tensor]:
     tensors = {k: v for k, v in policy.items() if k != "lm_head.weight"}
     generator = torch.Generator().manual_seed(seed)
-    head = torch.randn(1, hf.hidden_size, generator=generator) * std
+    head = torch.randn(1, hf.hidden_size, generator=generator, device="cpu") * std
     tensors["score.weight"] = head.to(next(iter(policy.values())).dtype)
     return tensors
 
@@ -104,13 +117,19 @@ def _critic_from_policy(
 class Session:
     """One rank's share of a run."""
 
-    def __init__(self, config: TrainConfig, run_dir: Path) -> None:
+    def __init__(
+        self, config: TrainConfig, run_dir: Path, host_group: dist.ProcessGroup | None = None
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.config = config
         self.run_dir = run_dir
-        init_distributed()
+        init_distributed(dist_timeout(config))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.host_group = (
+            make_host_group(dist_timeout(config)) if host_group is None else host_group
+        )
+        """Gloo over every rank: counts, timings, objects, barriers (``parallel/collectives``)."""
         config.check(self.world_size)
         torch.manual_seed(config.trainer.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
@@ -129,13 +148,15 @@ class Session:
         self.hf = HFModelConfig.from_hf(hf_io.read_config(config.model.path))
         dtype = getattr(torch, config.model.dtype)
         self.policy_groups = build_model_groups(
-            tp=config.policy.layout.tp, pp=config.policy.layout.pp, cp=config.policy.layout.cp
-        )
+            tp=config.policy.layout.tp, pp=config.policy.layout.pp, cp=config.policy.layout.cp,
+            host=self.host_group,
+        )  # fmt: skip
         self.critic_groups = None
         if config.algorithm.uses_critic:
             self.critic_groups = build_model_groups(
-                tp=config.critic.layout.tp, pp=config.critic.layout.pp, cp=config.critic.layout.cp
-            )
+                tp=config.critic.layout.tp, pp=config.critic.layout.pp, cp=config.critic.layout.cp,
+                host=self.host_group,
+            )  # fmt: skip
         ensure_global_memory_buffer()
         seed_rng_tracker(self.policy_groups, seed=config.trainer.seed)
         self.policy = ModelEngine(
@@ -226,7 +247,8 @@ class Session:
                 [chunk for e in engines for chunk in e.chunks], [e.optimizer for e in engines],
                 on_device=torch.cuda.is_available(),
             )  # fmt: skip
-        return start_rollout(self.config, self.rank, training_offload=offload)
+        # The first sync overwrites every weight: the engines start from random ones.
+        return start_rollout(self.config, self.rank, training_offload=offload, load_format="dummy")
 
     @property
     def rollout_synced(self) -> bool:
@@ -257,7 +279,7 @@ class Session:
     def close(self) -> None:
         # vLLM tears down the default process group with the engine (every rank of every
         # replica together): shut it down last.
-        dist.barrier()
+        collectives.barrier(self.host_group)
         self.rollout.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -279,8 +301,11 @@ def import_plugins(modules) -> None:
             ) from err
 
 
-def start_rollout(config: TrainConfig, rank: int, *, training_offload=None):
-    """This rank's part of its vLLM engine replica, started from model.path: each
+def start_rollout(
+    config: TrainConfig, rank: int, *, training_offload=None, load_format: str = "auto"
+):
+    """This rank's part of its vLLM engine replica, started from model.path (its weights with
+    ``load_format='auto'``, random ones with 'dummy'): each
     rollout.tensor_parallel_size consecutive ranks form one replica (vLLM's external_launcher;
     every rank builds its part at the same time). Replicas are seeded apart, the ranks of one
     replica alike (they sample in lockstep)."""
@@ -294,7 +319,7 @@ def start_rollout(config: TrainConfig, rank: int, *, training_offload=None):
             dtype=r.dtype, max_model_len=r.max_model_len, seed=config.trainer.seed + replica,
             kv_cache_bytes=r.kv_cache_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
             enforce_eager=r.enforce_eager, weight_bucket_bytes=r.weight_bucket_bytes,
-            sleep_level=r.sleep_level,
+            sleep_level=r.sleep_level, load_format=load_format,
             # After temperature (and top-p): at top_p = 1 these equal the Megatron policy's
             # log-probs at the sampling temperature, which the log-prob gap compares with.
             logprobs_mode="processed_logprobs",

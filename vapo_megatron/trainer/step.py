@@ -17,6 +17,7 @@ import torch
 
 from vapo_megatron.algorithms.losses import explained_variance, explained_variance_stats
 from vapo_megatron.data.packing import Sample
+from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
 from vapo_megatron.trainer import advantage_phase as adv
 from vapo_megatron.trainer.batching import FLAT_INDEX, build_samples, response_offsets
@@ -125,6 +126,7 @@ def collect_rollouts(
             seed=sampling_seed(cfg.trainer.seed, step, round_, session.replica),
             routing=session.routing, grader_timeout_s=cfg.reward.timeout_s, stats=stats,
             replica=session.replica, num_replicas=session.num_replicas,
+            host_group=session.host_group,
         )  # fmt: skip
         stats.rounds += 1
         stats.groups_sampled += len(prompts)
@@ -153,7 +155,7 @@ def collect_rollouts(
 def minibatch_indices(num_samples: int, num_minibatches: int, seed: int) -> list[torch.Tensor]:
     """A seeded permutation of the step's samples cut into ``num_minibatches`` near-equal parts."""
     generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_samples, generator=generator)
+    order = torch.randperm(num_samples, generator=generator, device=HOST)
     return [part for part in torch.tensor_split(order, num_minibatches) if part.numel()]
 
 
@@ -219,7 +221,9 @@ def run_step(
                 session.policy.vocab_slice, temperature=cfg.rollout.temperature
             ),
         )  # fmt: skip
-        rollout_lp = torch.tensor([lp for t in trajectories for lp in t.rollout_logprobs])
+        rollout_lp = torch.tensor(
+            [lp for t in trajectories for lp in t.rollout_logprobs], device=HOST
+        )
         gap = (torch.exp(rollout_lp - old_logprobs) - 1).abs().mean().item()
         metrics["rollout/logprob_gap"] = gap
         if gap > cfg.rollout.logprob_gap_warn:
@@ -281,8 +285,8 @@ def run_step(
         return {
             "old_logprobs": old_logprobs[flat],
             "advantages": advantages[flat],
-            "positive": torch.full((length,), positive[i], dtype=torch.bool),
-            "seq_num_tokens": torch.full((length,), float(length)),
+            "positive": torch.full((length,), positive[i], dtype=torch.bool, device=HOST),
+            "seq_num_tokens": torch.full((length,), float(length), device=HOST),
         }
 
     num_minibatches = max(1, cfg.samples_per_step // trainer.mini_batch_size)
@@ -369,7 +373,9 @@ def _rollout_metrics(
         "num_samples": float(len(trajectories)),
     }
     if trajectories:
-        lengths = torch.tensor([len(t.response) for t in trajectories], dtype=torch.float64)
+        lengths = torch.tensor(
+            [len(t.response) for t in trajectories], dtype=torch.float64, device=HOST
+        )
         out.update(
             {
                 "score": sum(t.score for t in trajectories) / len(trajectories),

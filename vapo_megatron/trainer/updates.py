@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from vapo_megatron.data.packing import Sample
-from vapo_megatron.parallel.gather import all_gather_objects
+from vapo_megatron.parallel.collectives import all_gather_objects
+from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.parallel.reductions import LossNormalisers, global_loss_normalisers
 from vapo_megatron.trainer.batching import dp_share, micro_batches
 from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
@@ -37,9 +37,10 @@ def train_on(
         field_names=field_names,
     )  # fmt: skip
     positive = [mb.fields.get("positive", torch.zeros_like(mb.response_mask)) for mb in mbs]
+    # Counted on the host where packing left the masks; reduced and used on the model's device.
     norm = global_loss_normalisers(
         [mb.response_mask for mb in mbs], positive, len(mine),
-        dp_cp_group=engine.groups.parallel.dp_cp, cp_size=engine.layout.cp,
+        dp_cp_group=engine.groups.parallel.dp_cp, cp_size=engine.layout.cp, device=engine.device,
     )  # fmt: skip
     outputs = engine.run(mbs, loss_fn_factory(norm))
     metrics = engine.step()
@@ -50,15 +51,17 @@ def train_on(
 
 def sum_shares(engine: ModelEngine, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Sum metric shares over micro-batches and ranks: each is a share of a global mean, so the
-    sum is that mean. Only the last stage's first TP rank of each (data, context) rank counts."""
+    sum is that mean. Only the last stage's first TP rank of each (data, context) rank counts.
+    The scalars come to the host in one copy and travel over the host group (a few floats)."""
     local: dict[str, float] = {}
     if engine.is_last_stage and engine.tp_rank == 0:
-        for out in outputs:
-            for name, value in out.items():
-                if value.dim() == 0:
-                    local[name] = local.get(name, 0.0) + float(value)
+        names = [name for out in outputs for name, value in out.items() if value.dim() == 0]
+        scalars = [value for out in outputs for value in out.values() if value.dim() == 0]
+        values = torch.stack(scalars).to(HOST, torch.float64).tolist() if scalars else []
+        for name, value in zip(names, values, strict=True):
+            local[name] = local.get(name, 0.0) + value
     total: dict[str, float] = {}
-    for part in all_gather_objects(local) if dist.get_world_size() > 1 else [local]:
+    for part in all_gather_objects(local, engine.groups.host):
         for name, value in part.items():
             total[name] = total.get(name, 0.0) + value
     return total

@@ -145,7 +145,9 @@ def fresh_params():
 
 def reference():
     d = invariance_data()
-    norm = global_loss_normalisers([d["mask"]], [d["positive"]], BATCH, dp_cp_group=None, cp_size=1)
+    norm = global_loss_normalisers(
+        [d["mask"]], [d["positive"]], BATCH, dp_cp_group=None, cp_size=1, device=torch.device("cpu")
+    )
     params = fresh_params()
     loss, metrics = losses(params, d, norm)
     loss.backward()
@@ -168,7 +170,7 @@ def check_invariance(dp: int, cp: int, micro: int, ref) -> None:
         )
     norm = global_loss_normalisers(
         [m["mask"] for m in micro_batches], [m["positive"] for m in micro_batches], per_rank,
-        dp_cp_group=dp_cp_group, cp_size=cp,
+        dp_cp_group=dp_cp_group, cp_size=cp, device=torch.device("cpu"),
     )  # fmt: skip
     params = fresh_params()
     loss_sum = torch.zeros(())

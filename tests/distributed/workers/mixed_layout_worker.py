@@ -68,7 +68,12 @@ def reference_step(model, forward, loss_factory, samples, lr):
     """One step on one process; returns (grad norm before clipping, outputs, updated weights)."""
     mb = pad(samples)
     norm = global_loss_normalisers(
-        [mb.response_mask], [mb.fields["positive"]], len(samples), dp_cp_group=None, cp_size=1
+        [mb.response_mask],
+        [mb.fields["positive"]],
+        len(samples),
+        dp_cp_group=None,
+        cp_size=1,
+        device=torch.device("cpu"),
     )
     output = forward(model, mb, attention_mask(samples, mb))
     loss, metrics = loss_factory(norm)(output, mb)
@@ -137,7 +142,7 @@ class Side:
         ]  # fmt: skip
         self.norm = global_loss_normalisers(
             [m.response_mask for m in self.mbs], [m.fields["positive"] for m in self.mbs],
-            len(mine), dp_cp_group=groups.parallel.dp_cp, cp_size=layout.cp,
+            len(mine), dp_cp_group=groups.parallel.dp_cp, cp_size=layout.cp, device=torch.device("cpu"),
         )  # fmt: skip
 
     def score(self) -> float:

@@ -89,7 +89,7 @@ class Run:
         self.mbs = [pad(mine[:half]), pad(mine[half:])]
         self.norm = global_loss_normalisers(
             [m.response_mask for m in self.mbs], [m.fields["positive"] for m in self.mbs],
-            len(mine), dp_cp_group=groups.parallel.dp_cp, cp_size=1,
+            len(mine), dp_cp_group=groups.parallel.dp_cp, cp_size=1, device=torch.device("cpu"),
         )  # fmt: skip
 
     def train_step(self) -> list[object]:

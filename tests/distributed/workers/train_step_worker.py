@@ -101,7 +101,12 @@ def reference_step(model, forward, loss_fn_factory, samples):
     scale; the norm is not), the model's outputs and the updated weights."""
     mb = pad(samples)
     norm = global_loss_normalisers(
-        [mb.response_mask], [mb.fields["positive"]], len(samples), dp_cp_group=None, cp_size=1
+        [mb.response_mask],
+        [mb.fields["positive"]],
+        len(samples),
+        dp_cp_group=None,
+        cp_size=1,
+        device=torch.device("cpu"),
     )
     output = forward(model, mb, attention_mask(samples, mb))
     loss, _ = loss_fn_factory(norm)(output, mb)
@@ -148,7 +153,7 @@ def check_layout(name, layout, micro, packed, distributed_optimizer, refs, sampl
     ]
     norm = global_loss_normalisers(
         [m.response_mask for m in mbs], [m.fields["positive"] for m in mbs], len(mine),
-        dp_cp_group=groups.dp_cp, cp_size=layout.cp,
+        dp_cp_group=groups.dp_cp, cp_size=layout.cp, device=torch.device("cpu"),
     )  # fmt: skip
     hf = HFModelConfig.from_hf(HF_CONFIG.to_dict())
     optim = OptimSettings(**{**OPTIM.__dict__, "distributed_optimizer": distributed_optimizer})
@@ -223,7 +228,12 @@ def main() -> None:
     # The engines report the pure PPO / value term; recompute those on the reference.
     mb = pad(samples)
     norm = global_loss_normalisers(
-        [mb.response_mask], [mb.fields["positive"]], len(samples), dp_cp_group=None, cp_size=1
+        [mb.response_mask],
+        [mb.fields["positive"]],
+        len(samples),
+        dp_cp_group=None,
+        cp_size=1,
+        device=torch.device("cpu"),
     )
     with torch.no_grad():
         logits = policy_forward(hf_policy(policy_sd), mb, attention_mask(samples, mb))

@@ -48,7 +48,7 @@ def check_critic_reload(session: Session, config) -> None:
     out = Path(config.trainer.run_dir) / "critic_export"
     export_hf(
         session.critic, out, hf_config=hf_io.read_config(config.model.path),
-        assets_from=config.model.path,
+        assets_from=config.model.path, host_group=session.host_group,
     )  # fmt: skip
     source = hf_io.HFCheckpoint(out)
     saved = dict(source.read(source.names))

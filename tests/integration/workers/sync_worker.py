@@ -158,7 +158,12 @@ def train_one_step(engine: ModelEngine, tokens, logprobs) -> None:
     ]  # fmt: skip
     mb = pad(samples, pad_multiple=8)
     norm = global_loss_normalisers(
-        [mb.response_mask], [mb.fields["positive"]], len(samples), dp_cp_group=None, cp_size=1
+        [mb.response_mask],
+        [mb.fields["positive"]],
+        len(samples),
+        dp_cp_group=None,
+        cp_size=1,
+        device=torch.device("cpu"),
     )
     fn = policy_loss_fn(algo_preset("vapo"), norm, engine.vocab_slice)
     engine.run([mb], fn)
