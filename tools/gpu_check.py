@@ -683,6 +683,9 @@ def main() -> int:
     )  # fmt: skip
     args = parser.parse_args()
     started = time.perf_counter()
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        print("gpu_check runs as one process (a world of 1): start it without torchrun")
+        return 2
     for key, value in (
         ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
         ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("HF_HUB_OFFLINE", "1"),
