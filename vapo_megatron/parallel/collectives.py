@@ -68,9 +68,9 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
 ) -> None:
     """In-place all-reduce of ``tensor`` over ``group`` (nothing to do on one rank)."""
+    check_device(tensor, group, "all_reduce")  # even alone: a 1-GPU run must catch it too
     if dist.get_world_size(group) == 1:
         return
-    check_device(tensor, group, "all_reduce")
     dist.all_reduce(tensor, op=op, group=group)
 
 
@@ -81,10 +81,10 @@ def all_gather_varlen(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     """
     if x.dim() != 1:
         raise ValueError(f"all_gather_varlen takes 1-D tensors, got shape {tuple(x.shape)}")
+    check_device(x, group, "all_gather_varlen")
     world = dist.get_world_size(group)
     if world == 1:
         return x.clone()
-    check_device(x, group, "all_gather_varlen")
     length = torch.tensor([x.numel()], dtype=torch.long, device=x.device)
     lengths = [torch.empty_like(length) for _ in range(world)]
     dist.all_gather(lengths, length, group=group)
