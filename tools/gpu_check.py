@@ -70,8 +70,12 @@ from vapo_megatron.algorithms.presets import algo_preset
 from vapo_megatron.models import hf_io
 from vapo_megatron.models.checkpoint import load_model_weights, make_metadata, save_model_weights
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.norm import RMSNorm
-from vapo_megatron.models.provider import ModelLayout
+from vapo_megatron.models.provider import (
+    ModelLayout,
+    default_layer_spec,
+    layer_spec_kind,
+    local_spec,
+)
 from vapo_megatron.models.record import ModelChunk, ModelRecord
 from vapo_megatron.parallel.model_groups import (
     build_model_groups,
@@ -164,18 +168,6 @@ def importable(module: str) -> tuple[bool, str]:
     except Exception as err:  # TE raises more than ImportError when its libraries are off
         return False, f"{type(err).__name__}: {err}".splitlines()[0][:200]
     return True, str(getattr(mod, "__version__", "?"))
-
-
-def local_spec():
-    """The local layer spec the trainer builds when Transformer Engine is absent: the project's
-    core attention and RMSNorm (``models/provider.py::default_layer_spec``, its fallback);
-    ``default_layer_spec`` is checked to equal it there."""
-    from vapo_megatron.models.layer_spec import local_layer_spec
-
-    spec = local_layer_spec()
-    spec.submodules.input_layernorm = RMSNorm
-    spec.submodules.pre_mlp_layernorm = RMSNorm
-    return spec
 
 
 def random_hf_tensors(hf: HFModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -370,17 +362,13 @@ class GPUCheck:
         numbers["world_size"] = dist.get_world_size()
 
     def default_layer_spec(self, numbers: dict) -> None:
-        from vapo_megatron.models.provider import default_layer_spec
-
         spec = default_layer_spec()
-        qkv = spec.submodules.self_attention.submodules.linear_qkv
-        numbers["linear_qkv"] = getattr(qkv, "__name__", repr(qkv))
-        expect_te = self.te[0] and self.device.type == "cuda"
-        numbers["expected"] = "transformer_engine" if expect_te else "local"
-        if expect_te:
-            check("TE" in numbers["linear_qkv"], "Transformer Engine imports, spec is not TE's")
-        else:
-            check(spec == local_spec(), f"not the local spec this check builds: {spec}")
+        numbers["kind"] = layer_spec_kind(spec)
+        expected = "te" if self.te[0] and self.device.type == "cuda" else "local"
+        numbers["expected"] = expected
+        check(numbers["kind"] == expected, f"the trainer builds with {numbers['kind']!r}")
+        if expected == "local":
+            check(spec == local_spec(), f"not the local spec the other parts use: {spec}")
 
     def engines(self, numbers: dict) -> None:
         self.need("distributed")
@@ -397,6 +385,7 @@ class GPUCheck:
             where = {str(p.device) for p in params} | {str(p.dtype) for p in params}
             want = {str(self.device), str(self.dtype)}
             check(where == want, f"{name} parameters on/in {sorted(where)}, want {sorted(want)}")
+            check(engine.device == self.device, f"{name} engine.device is {engine.device}")
 
     def scoring(self, numbers: dict) -> None:
         self.need("engines")
