@@ -492,8 +492,9 @@ class GPUCheck:
             from transformers import Qwen2Config, Qwen2ForCausalLM
 
             config = Qwen2Config.from_pretrained(self.hf_dir)  # a local directory: no download
+            # As from_pretrained(dtype=) builds it: RoPE's inv_freq stays fp32 (.to() would not).
             with torch.device(self.device):
-                model = Qwen2ForCausalLM(config).to(self.dtype).eval()
+                model = Qwen2ForCausalLM._from_config(config, dtype=self.dtype).eval()
             targets = dict(model.named_parameters())
         changed, count, num_bytes, devices = 0, 0, 0, set()
         with torch.no_grad():
