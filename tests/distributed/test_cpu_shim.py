@@ -19,6 +19,22 @@ from vapo_megatron.parallel.cpu_shim import apply_cpu_shim
 WORKER = Path(__file__).parent / "workers" / "shim_worker.py"
 FP32_TOL = 1e-5
 BF16_ULP = 2.0**-7  # relative spacing of bfloat16 numbers (upper bound)
+# Grad norms of the distributed and the plain optimizer (two steps at DP=2), relative.
+# fp32: both hold the same fp32 grads (a DP sum of two terms does not depend on the order);
+# only the order in which the norm adds the ~1.4e5 squares differs (per tensor vs per shard,
+# then over ranks). Blocked summation of n positive terms errs by <= log2(n) * 2^-24 ~ 1.0e-6
+# relative, halved by the square root: 5e-7 (kernel-order differences in the fp32 grads
+# themselves are a few 2^-24), so 1e-6 holds with a factor of 2.
+FP32_NORM_REL = 1e-6
+# bf16: the grads come from bf16-rounded activations. The optimizers lay the parameters out
+# differently (one padded buffer of views vs separate tensors), and on CPUs with AMX or
+# AVX512-BF16 oneDNN picks its GEMM blocking, hence the fp32 accumulation order, by shape and
+# alignment: an output near a rounding boundary lands on the neighbouring bf16 value, one
+# spacing (<= 2^-7 relative) away; in step 2 the bf16 weights may already differ by one spacing
+# (checked below). To first order each grad element then differs by at most one spacing, and
+# the norm, 1-Lipschitz (| |a| - |b| | <= |a - b|), by at most that relative amount: 2^-7. A
+# real fault (a lost shard, a missing or doubled DP reduction) moves it by tens of percent.
+BF16_NORM_REL = BF16_ULP
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +122,21 @@ def test_pipeline_matches_no_pipeline(ranks: list[dict], layout: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("dtype", "tol"), [("fp32", FP32_TOL), ("bf16", BF16_ULP)])
-def test_distributed_optimizer_matches_plain(ranks: list[dict], dtype: str, tol: float) -> None:
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_distributed_optimizer_matches_plain(ranks: list[dict], dtype: str) -> None:
     for rank in ranks:
         check = rank[f"distopt_{dtype}"]
-        assert check["grad_norms"] == pytest.approx(check["plain_grad_norms"], rel=1e-6)
-        assert check["max_rel_diff"] <= tol
+        norm_rel = FP32_NORM_REL if dtype == "fp32" else BF16_NORM_REL
+        assert check["grad_norms"] == pytest.approx(check["plain_grad_norms"], rel=norm_rel)
+        if dtype == "fp32":
+            assert check["max_rel_diff"] <= FP32_TOL
+            continue
+        # bf16 weights, as one vector: each is rounded (one spacing, 2^-7 |w|), and the updates,
+        # linear in the grads (Adam with eps >> sqrt(v), see the worker), differ by at most what
+        # the grads do, 2^-7 |update| (as for the norm above), with |update| < |w|: 2 * 2^-7.
+        # Elementwise a grad at rounding level can change sign, so no per-element bound holds.
+        assert check["norm_rel_diff"] <= 2 * BF16_ULP
+        assert check["update_rel_size"] > 4 * BF16_ULP  # the steps moved the weights: can fail
 
 
 @pytest.mark.distributed

@@ -125,9 +125,16 @@ def train_step(model: Model, batches: list[Batch]) -> float | None:
     return torch.stack([m["loss"] for m in losses]).mean().item()
 
 
-def make_optimizer(model: Model, *, distributed: bool, clip: float, bf16: bool = False):
+def make_optimizer(
+    model: Model, *, distributed: bool, clip: float, bf16: bool = False, lr=1e-2, eps=1e-8
+):
     config = OptimizerConfig(
-        optimizer="adam", lr=1e-2, bf16=bf16, use_distributed_optimizer=distributed, clip_grad=clip
+        optimizer="adam",
+        lr=lr,
+        adam_eps=eps,
+        bf16=bf16,
+        use_distributed_optimizer=distributed,
+        clip_grad=clip,
     )
     return get_megatron_optimizer(config, model)
 
@@ -193,6 +200,12 @@ def max_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
     )
 
 
+def norm_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """|got - want| / |want| over all tensors together (2-norms)."""
+    diff = sum((got[k].double() - want[k].double()).square().sum() for k in got)
+    return (diff / sum(want[k].double().square().sum() for k in got)).sqrt().item()
+
+
 def group_sizes(groups: ParallelGroups) -> list[int]:
     return [groups.size(g) for g in (groups.tp, groups.pp, groups.cp, groups.dp, groups.dp_cp)]
 
@@ -256,9 +269,15 @@ def check_distributed_optimizer(bf16: bool) -> dict[str, object]:
     batches = make_batches(seed=1 + dist.get_rank())
     steps: dict[bool, list[dict[str, torch.Tensor]]] = {}
     norms: dict[bool, list[float]] = {}
+    initial = full_tensors(build_model(bf16=bf16), weights)
     for distributed in (False, True):
         model = build_model(distributed_optimizer=distributed, bf16=bf16)
-        optimizer = make_optimizer(model, distributed=distributed, clip=0.5, bf16=bf16)
+        # eps >> sqrt(v) makes Adam's update lr * m / eps, linear in the grads: grads that differ
+        # by a rounding give updates that differ by as little (with eps=1e-8 the first update is
+        # lr * sign(g), and a grad that rounding moves across 0 flips a weight by 2 * lr).
+        optimizer = make_optimizer(
+            model, distributed=distributed, clip=0.5, bf16=bf16, lr=1.0, eps=1.0
+        )
         steps[distributed], norms[distributed] = [], []
         for _ in range(2):
             # Without it the plain optimizer's param.grad aliases main_grad: doubled grads.
@@ -271,6 +290,10 @@ def check_distributed_optimizer(bf16: bool) -> dict[str, object]:
         "max_rel_diff": max(
             max_rel_diff(d, p) for d, p in zip(steps[True], steps[False], strict=True)
         ),
+        "norm_rel_diff": max(
+            norm_rel_diff(d, p) for d, p in zip(steps[True], steps[False], strict=True)
+        ),
+        "update_rel_size": norm_rel_diff(steps[False][-1], initial),
         "grad_norms": norms[True],
         "plain_grad_norms": norms[False],
     }
