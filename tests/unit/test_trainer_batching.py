@@ -4,6 +4,7 @@ gather (positions and permutations), and the step's advantages."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 from dataclasses import dataclass
 
 import pytest
@@ -97,6 +98,8 @@ class FakeEngine:
     cp_rank: int = 0
     tp_rank: int = 0
     is_last_stage: bool = True
+    device = torch.device("cpu")
+    groups = SimpleNamespace(world=None)
 
     def run(self, mbs, loss_fn, *, forward_only):
         assert forward_only
