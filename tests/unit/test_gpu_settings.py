@@ -91,7 +91,7 @@ def test_cpu_is_the_default_here() -> None:
 def test_cuda_with_te_apex_and_triton_turns_every_fusion_on(monkeypatch) -> None:
     installed(monkeypatch, TE, APEX_WGRAD, APEX_SOFTMAX, TRITON)
     resolved = resolve(GpuSettings(), bf16=True, distributed_optimizer=True)
-    # The overlaps stay off: the engine does not wire megatron's sync hooks (overlap_hooks).
+    # The overlaps need a caller that wires megatron's sync hooks (ModelEngine does).
     assert on(resolved) == {*FUSIONS, "grad_reduce_in_fp32"}
     with_hooks = resolve(GpuSettings(), bf16=True, distributed_optimizer=True, overlap_hooks=True)
     assert with_hooks.overlap_grad_reduce and with_hooks.overlap_param_gather
@@ -183,8 +183,8 @@ def test_recipes_state_the_settings() -> None:
         apply_rope_fusion=True,
         masked_softmax_fusion="auto",
         gradient_accumulation_fusion=True,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
         grad_reduce_in_fp32=True,
     )
     assert load_recipe(RECIPES / "tiny_cpu.yaml").gpu == GpuSettings()

@@ -53,9 +53,11 @@ What megatron-core 0.16.1 needs for each (paths under ``megatron/core/``):
   (``distributed_data_parallel.py:147``); no kernel. ``auto`` keeps the trainer's existing
   choice (on exactly when parameters are bf16; ``memory_plan.py`` counts 4-byte grads).
 
-``ModelEngine`` does not yet set ``no_sync_func`` nor force the parameter gather before it
-reads weights, so it resolves with ``overlap_hooks=False``: both overlaps stay off under
-``auto`` and an explicit ``true`` is refused.
+``ModelEngine`` sets ``no_sync_func`` when ``overlap_grad_reduce`` is on and forces the
+parameter gather (``ModelEngine.gather_params``) before every read outside a forward: the weight
+sync, the HF export, checkpoint saves and ``hf_weights``. It resolves with
+``overlap_hooks=True``; ``tests/distributed/test_overlap.py`` holds overlapped updates equal to
+plain ones with a micro-batch count that changes every step (gloo, asynchronous handles).
 """
 
 from __future__ import annotations
@@ -102,9 +104,9 @@ class GpuSettings:
     gradient_accumulation_fusion: Switch = "auto"
     """Accumulate weight grads into the fp32 main_grad inside the GEMM (needs apex's fused_weight_gradient_mlp_cuda, even with TE)."""
     overlap_grad_reduce: Switch = "auto"
-    """Reduce gradient buckets during backward (needs the engine's no_sync_func; not wired yet: auto resolves off)."""
+    """Reduce gradient buckets during backward (the engine sets megatron's no_sync_func)."""
     overlap_param_gather: Switch = "auto"
-    """Gather updated parameter shards during the next forward (distributed optimizer and overlap_grad_reduce; not wired yet)."""
+    """Gather updated parameter shards during the next forward (distributed optimizer and overlap_grad_reduce)."""
     grad_reduce_in_fp32: Switch = "auto"
     """Keep and reduce gradients in fp32 (auto: when parameters are bf16)."""
 

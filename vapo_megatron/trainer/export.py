@@ -36,6 +36,7 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         writer = hf_io.SafetensorsWriter(tmp)
+    engine.gather_params()  # the last update's shards, with overlap_param_gather
     buckets = stream_policy_weights(
         engine.chunks, engine.record, engine.config,
         tp_group=engine.groups.parallel.tp, pp_group=engine.groups.parallel.pp,

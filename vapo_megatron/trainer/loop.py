@@ -116,6 +116,9 @@ class Run:
         return out
 
     def save(self) -> None:
+        for engine in (self.session.policy, self.session.critic):
+            if engine is not None:  # whole parameters, with overlap_param_gather
+                engine.gather_params()
         extra = {
             "state": dict(self.state),
             "sampler": self.session.sampler.state_dict(),

@@ -140,13 +140,14 @@ class ModelEngine:
         # The record names the parameters of the spec the model is built with (TE fuses norms).
         self.record = ModelRecord(hf, head, layer_spec=layer_spec_kind(layer_spec))
         bf16 = params_dtype == torch.bfloat16
-        # Fusions and overlaps: all off on CPU; overlap_hooks=False until this engine sets
-        # megatron's no_sync_func and gathers parameters before reading them (gpu_settings.py).
+        # Fusions and overlaps: all off on CPU. The overlaps' hooks are this engine's: it sets
+        # megatron's no_sync_func below and gathers parameters before reading them
+        # (gather_params; gpu_settings.py says why both are needed).
         self.gpu = resolve(
             gpu or GpuSettings(),
             bf16=bf16,
             distributed_optimizer=optim.distributed_optimizer,
-            overlap_hooks=False,
+            overlap_hooks=True,
             name="critic" if head == "value" else "policy",
         )
         self.config = transformer_config(hf, layout, params_dtype=params_dtype, gpu=self.gpu)
@@ -169,6 +170,12 @@ class ModelEngine:
                     self.config, ddp_config, module, disable_bucketing=i > 0, pg_collection=pgs
                 )
             )
+        if self.gpu.overlap_grad_reduce:
+            # The schedule enters no_sync for all but the last micro-batch only through this;
+            # without it, a step with another number of micro-batches than the first would
+            # reduce buckets early (wrong gradients) or never (megatron's assertion).
+            no_sync = [chunk.no_sync for chunk in self.chunks]
+            self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.compute_seconds = 0.0
         """Seconds spent in Megatron's schedule (forward/backward) and optimizer steps."""
         self.optimizer = get_megatron_optimizer(
@@ -184,6 +191,7 @@ class ModelEngine:
                 bf16=bf16,
                 params_dtype=params_dtype,
                 use_distributed_optimizer=optim.distributed_optimizer,
+                overlap_param_gather=self.gpu.overlap_param_gather,
             ),
             self.chunks,
             # Megatron's extra gloo DP groups serve only legacy checkpoint formats.
@@ -258,8 +266,20 @@ class ModelEngine:
         )
         self.optimizer.reload_model_params()
 
+    def gather_params(self) -> None:
+        """Make every rank's parameters whole before they are read outside a forward (weight
+        sync, export, checkpoint). With ``overlap_param_gather`` the distributed optimizer's
+        step updates only this rank's shard and leaves the all-gather to the next forward's
+        pre-hooks; this finishes it now (what Megatron-LM's disable_forward_pre_hook does
+        before a checkpoint). Collective over the data-parallel group; nothing to do without
+        the overlap."""
+        if self.gpu.overlap_param_gather:
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
+
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This pipeline stage's weights as full HF-named tensors (collective over TP)."""
+        self.gather_params()
         return gather_hf_weights(
             self.chunks,
             self.record,

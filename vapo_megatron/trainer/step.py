@@ -92,6 +92,7 @@ def push_policy_weights(
     own.
     ``prefetch``: see ``RolloutEngine.update_weights``. Collective over the policy's TP and PP
     groups."""
+    policy.gather_params()  # the last update's shards, with overlap_param_gather
     buckets = stream_policy_weights(
         policy.chunks, policy.record, policy.config,
         tp_group=policy.groups.parallel.tp, pp_group=policy.groups.parallel.pp,
