@@ -4,8 +4,8 @@ gather (positions and permutations), and the step's advantages."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
