@@ -151,3 +151,29 @@ def test_init_distributed_passes_the_timeout(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     session.init_distributed(timedelta(minutes=60))
     assert seen["timeout"] == timedelta(minutes=60)
+
+
+def test_engine_refuses_a_long_row_on_a_gpu_without_te(monkeypatch):
+    """The local spec's dense attention on a GPU: ``ModelEngine.run`` checks each call's rows
+    before anything reaches the model (CUDA reported present only after the engine is built)."""
+    from vapo_megatron.models.config import HFModelConfig
+    from vapo_megatron.models.provider import LOCAL_ATTENTION_MAX_TOKENS, ModelLayout
+    from vapo_megatron.parallel.cpu_shim import apply_cpu_shim
+    from vapo_megatron.parallel.model_groups import build_model_groups, ensure_global_memory_buffer
+    from vapo_megatron.trainer.loss_fns import value_scoring_fn
+    from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
+
+    apply_cpu_shim()
+    hf = HFModelConfig.from_hf(
+        {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "vocab_size": 64, "max_position_embeddings": 16384, "rms_norm_eps": 1e-6,
+         "rope_theta": 1e6, "tie_word_embeddings": False}
+    )  # fmt: skip
+    groups = build_model_groups(tp=1, pp=1, cp=1)
+    ensure_global_memory_buffer()
+    engine = ModelEngine(hf, ModelLayout(), head="value", optim=OptimSettings(), groups=groups)
+    long = pack([Sample(prompt=[1] * LOCAL_ATTENTION_MAX_TOKENS, response=[2])])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="local spec's dense attention"):
+        engine.run([long], value_scoring_fn(), forward_only=True)

@@ -43,6 +43,7 @@ from vapo_megatron.models.megatron_patches import apply_megatron_patches
 from vapo_megatron.models.provider import (
     ModelLayout,
     build_model,
+    check_local_attention_fits,
     default_layer_spec,
     layer_spec_kind,
     transformer_config,
@@ -323,6 +324,10 @@ class ModelEngine:
                 f"{self.layout.tp * self.layout.cp}, got {sorted(lengths)}: pack or pad with "
                 f"pad_multiple={self.layout.tp}"
             )
+        # On a GPU without Transformer Engine the dense local attention holds [s, s] scores.
+        check_local_attention_fits(
+            self.record.layer_spec, cp=self.layout.cp, row_tokens=max(lengths)
+        )
         scale = len(micro_batches) * self.dp_size
 
         def loss_func(micro_batch: MicroBatch, output: torch.Tensor):
