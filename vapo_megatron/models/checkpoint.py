@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import queue
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,6 +44,8 @@ ASSETS_DIR = "hf_assets"
 FORMAT = "vapo-megatron-model-weights"
 FORMAT_VERSION = 1
 CriticFrom = Literal["policy", "reward-model"]
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -230,22 +233,77 @@ def load_model_weights(
     """Load a checkpoint into this rank's model chunks, at any TP/PP; return its metadata.
 
     Collective over the default process group. The chunks' parameters may have another dtype
-    than the checkpoint's (cast on load). ValueError for another model or head."""
-    from megatron.core import dist_checkpointing
-
+    than the checkpoint's (cast on load). ValueError for another model or head, and for any
+    tensor the model asks for that the checkpoint lacks or the checkpoint holds that the model
+    does not ask for, with one exception: ``_extra_state`` entries (Transformer Engine's FP8
+    metadata; megatron's local modules save None), which are tolerated either way (see
+    :func:`_load_tolerating_extra_state`).
+    """
     meta = load_metadata(ckpt_dir)
     check_compatible(meta, hf, head, ckpt_dir)
     models = [unwrap_model(chunk) for chunk in chunks]
     sharded = {
         f"model{i}": _sharded_state_dict(model, dp_cp_group) for i, model in enumerate(models)
     }
-    loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+    loaded = _load_tolerating_extra_state(sharded, ckpt_dir)
     for i, model in enumerate(models):
+        # Modules' _extra_state may be absent here: dropped above, or never in the sharded state
+        # dict (megatron leaves TE's core attention out of it); they keep their current state.
         missing, unexpected = model.load_state_dict(loaded[f"model{i}"], strict=False)
-        missing = [k for k in missing if not k.endswith("._extra_state")]
+        missing = [k for k in missing if not _is_extra_state(k)]
         if missing or unexpected:
             raise ValueError(f"{ckpt_dir}: missing {missing[:8]}, unexpected {unexpected[:8]}")
     return meta
+
+
+def _load_tolerating_extra_state(sharded: dict, ckpt_dir: str | os.PathLike) -> dict:
+    """``dist_checkpointing.load`` of ``sharded``, strict except for ``_extra_state`` keys.
+
+    The two layer specs save the same weight keys (megatron's local spec maps its norm keys to
+    TE's names) but not the same ``_extra_state`` ShardedObjects: under TE the final norm (TE's
+    RMSNorm, TE >= 1.13) has one, under the local spec it does not. So a TE model loading a
+    checkpoint of the local spec (``tools/convert.py`` writes those) asks for a key the
+    checkpoint lacks, and a local model loading a TE checkpoint leaves one unread. Megatron's
+    ``StrictHandling.RETURN_ALL`` loads what both have and returns both sets ("unexpected":
+    asked for by this rank, not in the checkpoint, left out of the load; "missing": in the
+    checkpoint, asked for by no rank); any key in them other than an ``_extra_state`` is a
+    ValueError on every rank (the sets of all ranks are gathered, so that all of them raise).
+    A module whose ``_extra_state`` was not in the checkpoint keeps its fresh state, as TE
+    itself does for a checkpoint without FP8 metadata.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    loaded, in_checkpoint_only, in_model_only = dist_checkpointing.load(
+        sharded, str(ckpt_dir), strict=StrictHandling.RETURN_ALL
+    )
+    not_loaded = sorted(k for k in in_model_only if not _is_extra_state(k))
+    not_asked = sorted(k for k in in_checkpoint_only if not _is_extra_state(k))
+    every_rank: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, not_loaded)
+    not_loaded = sorted({key for keys in every_rank for key in keys})
+    if not_loaded or not_asked:
+        raise ValueError(
+            f"{ckpt_dir}: the model and the checkpoint disagree beyond _extra_state entries: "
+            f"{len(not_loaded)} tensor(s) the checkpoint lacks {not_loaded[:8]}, "
+            f"{len(not_asked)} the model does not have {not_asked[:8]}; is it a checkpoint of "
+            "this model (vapo_checkpoint.json) and was it saved completely?"
+        )
+    tolerated = len(in_model_only) + len(in_checkpoint_only)
+    if tolerated and dist.get_rank() == 0:
+        logger.info(
+            "%s: tolerated %d _extra_state entr%s absent from the checkpoint and %d in it that "
+            "the model does not have (a checkpoint saved under the other layer spec)",
+            ckpt_dir,
+            len(in_model_only),
+            "y" if len(in_model_only) == 1 else "ies",
+            len(in_checkpoint_only),
+        )
+    return loaded
+
+
+def _is_extra_state(key: str) -> bool:
+    return key.endswith("._extra_state")
 
 
 def _sharded_state_dict(model: torch.nn.Module, dp_cp_group: dist.ProcessGroup | None) -> dict:
