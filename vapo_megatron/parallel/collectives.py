@@ -96,6 +96,14 @@ def all_gather_varlen(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)])
 
 
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every rank's ``x`` (same shape everywhere), in rank order."""
+    check_device(x, group, "all_gather")
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, x.contiguous(), group=group)
+    return out
+
+
 def all_gather_into_tensor(
     out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None
 ) -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.algorithms.gae import check_rewards_on_response, gae_padded
+from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.context_parallel import chunk_ids
 
 CARRY_FIELDS = ("count", "first_value", "first_zero_carry_advantage")
@@ -78,8 +79,7 @@ def gae_context_parallel(
     ).view(batch, 2, len(CARRY_FIELDS))
 
     if cp_size > 1:
-        gathered = [torch.empty_like(summary) for _ in range(cp_size)]
-        dist.all_gather(gathered, summary.contiguous(), group=cp_group)
+        gathered = collectives.all_gather(summary, cp_group)
     else:
         gathered = [summary]
     by_chunk = [None] * (2 * cp_size)

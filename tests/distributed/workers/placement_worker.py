@@ -17,6 +17,7 @@ argv: the recipe, then overrides. Prints one ``PLACEMENT {json}`` line per rank.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -161,7 +162,7 @@ def main() -> None:
     wrap_model_inputs()
     with FactoryAudit():
         status = train.main(sys.argv[1:])
-    rank = dist.get_rank() if dist.is_initialized() else int(__import__("os").environ["RANK"])
+    rank = int(os.environ["RANK"])  # the run ended with the process group
     report = {
         "rank": rank,
         "status": status,
