@@ -56,7 +56,7 @@ class HFSource:
     """dtype of the Megatron checkpoint."""
 
     def record(self) -> ModelRecord:
-        return ModelRecord(self.hf, self.head)
+        return ModelRecord(self.hf, self.head, layer_spec="local")  # as _meta_model builds
 
 
 def inspect_hf(
@@ -280,7 +280,7 @@ def mcore_to_hf(
     check_output_dir(out_dir, force=force, inputs=[ckpt_dir])
     _init_single_process()
     hf = HFModelConfig.from_hf(hf_config)
-    record = ModelRecord(hf, meta.head)
+    record = ModelRecord(hf, meta.head, layer_spec="local")  # as _meta_model builds
     prepare_output_dir(out_dir, force=force, inputs=[ckpt_dir])
     (model,), _ = _meta_model(hf, meta.head, 1, 1, meta.torch_dtype)
     sharded = model.sharded_state_dict()
@@ -350,13 +350,22 @@ def _read_request(sharded: Any, dtype: torch.dtype) -> tuple[list[Any], Any]:
 
 
 def _meta_model(hf: HFModelConfig, head: Head, tp: int, pp: int, dtype: torch.dtype):
-    """This rank's GPTModel chunks on the meta device (no memory) and their TransformerConfig."""
-    from vapo_megatron.models.provider import ModelLayout, build_model, transformer_config
+    """This rank's GPTModel chunks on the meta device (no memory) and their TransformerConfig.
+
+    Always the local layer spec, whatever the machine has (so ``ModelRecord``'s default
+    ``layer_spec="local"`` names its parameters): its checkpoint keys are Transformer Engine's
+    too, and a TE model loads the result (``checkpoint.load_model_weights``)."""
+    from vapo_megatron.models.provider import (
+        ModelLayout,
+        build_model,
+        local_spec,
+        transformer_config,
+    )
 
     config = transformer_config(hf, ModelLayout(tp=tp, pp=pp), params_dtype=dtype)
     config.perform_initialization = False
     with torch.device("meta"):
-        return build_model(hf, config, head=head), config
+        return build_model(hf, config, head=head, layer_spec=local_spec()), config
 
 
 def _init_single_process() -> None:
