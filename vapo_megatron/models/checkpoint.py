@@ -38,6 +38,7 @@ from megatron.core.utils import unwrap_model
 
 from vapo_megatron.models import hf_io
 from vapo_megatron.models.config import Head, HFModelConfig
+from vapo_megatron.parallel import collectives
 
 METADATA_NAME = "vapo_checkpoint.json"
 ASSETS_DIR = "hf_assets"
@@ -213,13 +214,13 @@ def save_sharded_state(state: dict, ckpt_dir: str | os.PathLike, meta: Checkpoin
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     if any(ckpt_dir.iterdir()):
         raise ValueError(f"{ckpt_dir} is not empty; a checkpoint needs an empty directory")
-    dist.barrier()  # every rank saw it empty before anyone writes
+    collectives.barrier(None)  # every rank saw it empty before anyone writes
     with _in_process_write_results():
         dist_checkpointing.save(state, str(ckpt_dir))
     if dist.get_rank() == 0:
         text = json.dumps(dataclasses.asdict(meta), indent=2, sort_keys=True) + "\n"
         (ckpt_dir / METADATA_NAME).write_text(text)
-    dist.barrier()
+    collectives.barrier(None)
 
 
 def load_model_weights(
@@ -229,10 +230,13 @@ def load_model_weights(
     hf: HFModelConfig,
     head: Head,
     dp_cp_group: dist.ProcessGroup | None = None,
+    host_group: dist.ProcessGroup | None = None,
 ) -> CheckpointMetadata:
     """Load a checkpoint into this rank's model chunks, at any TP/PP; return its metadata.
 
-    Collective over the default process group. The chunks' parameters may have another dtype
+    Collective over the default process group. ``host_group``: a gloo group over every rank
+    for the key lists every rank compares (None: the default group, which must then be gloo,
+    as in the CPU tools). The chunks' parameters may have another dtype
     than the checkpoint's (cast on load). ValueError for another model or head, and for any
     tensor the model asks for that the checkpoint lacks or the checkpoint holds that the model
     does not ask for, with one exception: ``_extra_state`` entries (Transformer Engine's FP8
@@ -245,7 +249,7 @@ def load_model_weights(
     sharded = {
         f"model{i}": _sharded_state_dict(model, dp_cp_group) for i, model in enumerate(models)
     }
-    loaded = _load_tolerating_extra_state(sharded, ckpt_dir)
+    loaded = _load_tolerating_extra_state(sharded, ckpt_dir, host_group)
     for i, model in enumerate(models):
         # Modules' _extra_state may be absent here: dropped above, or never in the sharded state
         # dict (megatron leaves TE's core attention out of it); they keep their current state.
@@ -256,7 +260,9 @@ def load_model_weights(
     return meta
 
 
-def _load_tolerating_extra_state(sharded: dict, ckpt_dir: str | os.PathLike) -> dict:
+def _load_tolerating_extra_state(
+    sharded: dict, ckpt_dir: str | os.PathLike, host_group: dist.ProcessGroup | None
+) -> dict:
     """``dist_checkpointing.load`` of ``sharded``, strict except for ``_extra_state`` keys.
 
     The two layer specs save the same weight keys (megatron's local spec maps its norm keys to
@@ -279,8 +285,7 @@ def _load_tolerating_extra_state(sharded: dict, ckpt_dir: str | os.PathLike) -> 
     )
     not_loaded = sorted(k for k in in_model_only if not _is_extra_state(k))
     not_asked = sorted(k for k in in_checkpoint_only if not _is_extra_state(k))
-    every_rank: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every_rank, not_loaded)
+    every_rank = collectives.all_gather_objects(not_loaded, host_group)  # gloo: objects
     not_loaded = sorted({key for keys in every_rank for key in keys})
     if not_loaded or not_asked:
         raise ValueError(

@@ -35,6 +35,7 @@ from vapo_megatron.models.checkpoint import (
 )
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.models.record import ModelChunk, ModelRecord
+from vapo_megatron.parallel import collectives
 
 # ----- HF -> Megatron -----
 
@@ -177,7 +178,7 @@ def hf_to_mcore(
     check_layout(source.hf, tp, pp)
     if dist.get_rank() == 0:
         prepare_output_dir(out_dir, force=force, inputs=[source.checkpoint.path])
-    dist.barrier()
+    collectives.barrier(None)
     state = _converted_state(source, tp, pp)
     _split_fused(state)
     meta = make_metadata(
@@ -197,7 +198,7 @@ def hf_to_mcore(
         assets = Path(out_dir) / ASSETS_DIR
         assets.mkdir()
         hf_io.copy_assets(source.checkpoint.path, assets)
-    dist.barrier()
+    collectives.barrier(None)
     return meta
 
 

@@ -167,7 +167,7 @@ class Session:
         if config.policy.load:
             mckpt.load_model_weights(
                 self.policy.chunks, config.policy.load, hf=self.hf, head="lm",
-                dp_cp_group=self.policy.groups.pg_collection.dp_cp,
+                dp_cp_group=self.policy.groups.pg_collection.dp_cp, host_group=self.host_group,
             )  # fmt: skip
             self.policy.optimizer.reload_model_params()
         else:
@@ -223,7 +223,7 @@ class Session:
         if (path / mckpt.METADATA_NAME).is_file():
             mckpt.load_model_weights(
                 self.critic.chunks, path, hf=self.hf, head="value",
-                dp_cp_group=self.critic.groups.pg_collection.dp_cp,
+                dp_cp_group=self.critic.groups.pg_collection.dp_cp, host_group=self.host_group,
             )  # fmt: skip
             self.critic.optimizer.reload_model_params()
             return
