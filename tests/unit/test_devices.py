@@ -213,14 +213,12 @@ def fake_cp_group(monkeypatch, size: int) -> object:
     rank's summary: the numbers are not a real CP result (the gloo tests check those), but
     every line of the multi-rank path runs."""
 
-    def all_gather(gathered, tensor, group):
-        for out in gathered:
-            out.copy_(tensor)
+    def all_gather(tensor, group):
+        return [tensor.clone() for _ in range(size)]
 
-    fake = SimpleNamespace(
-        get_world_size=lambda group: size, get_rank=lambda group: 0, all_gather=all_gather
-    )
+    fake = SimpleNamespace(get_world_size=lambda group: size, get_rank=lambda group: 0)
     monkeypatch.setattr(cp_gae, "dist", fake)
+    monkeypatch.setattr(cp_gae, "collectives", SimpleNamespace(all_gather=all_gather))
     return object()
 
 
