@@ -217,3 +217,88 @@ def test_reward_off_the_response_raises_under_cp():
             rewards.reshape(-1), torch.zeros(16), mask.reshape(-1), torch.tensor([0, 8, 16]),
             1.0, 1.0, None,
         )  # fmt: skip
+
+
+def textbook_packed(rewards, values, mask, cu, lams, gamma):
+    """The textbook loop on each packed sequence separately."""
+    out = torch.zeros(rewards.numel(), dtype=torch.float64)
+    for s in range(cu.numel() - 1):
+        lo, hi = int(cu[s]), int(cu[s + 1])
+        if hi > lo:
+            out[lo:hi] = textbook_gae(
+                rewards[None, lo:hi], values[None, lo:hi], mask[None, lo:hi], lams[s : s + 1], gamma
+            )[0]
+    return out
+
+
+@pytest.mark.parametrize("scan_chunk", [2, 3, 64])
+@pytest.mark.parametrize("gaps", [False, True])
+def test_packed_scan_matches_textbook_loop_per_sequence(monkeypatch, scan_chunk, gaps):
+    # Lengths 0, 1, around the chunk size, and one long sequence: scans cut at every boundary,
+    # and small chunks force several levels of the chunk-start recursion.
+    monkeypatch.setattr(gae_module, "SCAN_CHUNK", scan_chunk)
+    gen = torch.Generator().manual_seed(scan_chunk)
+    lengths = torch.tensor([0, 1, 2, 3, 63, 64, 65, 0, 700, 5, 128, 1])
+    num_tokens = int(lengths.sum())
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    values = torch.randn(num_tokens, generator=gen, dtype=torch.float64)
+    mask = (
+        torch.rand(num_tokens, generator=gen) > 0.3
+        if gaps
+        else torch.ones(num_tokens, dtype=torch.bool)
+    )
+    rewards = torch.randn(num_tokens, generator=gen, dtype=torch.float64) * mask
+    lams = torch.rand(lengths.numel(), generator=gen, dtype=torch.float64)
+    lams[4], lams[8] = 0.0, 1.0
+    for gamma in (1.0, 0.9):
+        adv, ret = gae_packed(rewards, values, mask, cu, lams, gamma)
+        ref = textbook_packed(rewards, values, mask, cu, lams, gamma)
+        torch.testing.assert_close(adv, ref, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(ret, (ref + values) * mask, atol=1e-10, rtol=1e-10)
+
+
+def test_segmented_reverse_cumsum_matches_loop(monkeypatch):
+    monkeypatch.setattr(gae_module, "SCAN_CHUNK", 4)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 203, generator=gen, dtype=torch.float64)
+    coef = torch.rand(2, 203, generator=gen, dtype=torch.float64)
+    coef[:, ::17] = 0.0
+    coef[1, 50:90] = 1.0
+    ref = torch.zeros_like(x)
+    running = torch.zeros(2, dtype=torch.float64)
+    for t in reversed(range(203)):
+        running = x[:, t] + (coef[:, t] * running if t + 1 < 203 else 0)
+        ref[:, t] = running
+    torch.testing.assert_close(gae_module.segmented_reverse_cumsum(x, coef), ref)
+    empty = gae_module.segmented_reverse_cumsum(torch.zeros(2, 0), torch.zeros(2, 0))
+    assert empty.shape == (2, 0)
+
+
+class LargestTensor(torch.overrides.TorchFunctionMode):
+    """Records the largest number of elements of any tensor a torch call returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for item in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(item, torch.Tensor):
+                self.largest = max(self.largest, item.numel())
+        return out
+
+
+def test_packed_gae_does_not_pad_to_the_longest_sequence():
+    # One 20,000-token sequence among 200 short ones: padding every sequence to the longest
+    # would build 201 x 20,000 = 4M-element buffers for 21,000 tokens.
+    lengths = torch.tensor([20_000] + [5] * 200)
+    num_tokens = int(lengths.sum())
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    rewards = torch.zeros(num_tokens)
+    rewards[cu[1:] - 1] = 1.0
+    values = torch.rand(num_tokens)
+    for mask in (torch.ones(num_tokens, dtype=torch.bool), values > 0.1):
+        with LargestTensor() as seen:
+            decoupled_gae_packed(algo_preset("vapo"), rewards * mask, values, mask, cu)
+        assert seen.largest <= 2 * (num_tokens + 64), seen.largest

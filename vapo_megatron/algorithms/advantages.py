@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vapo_megatron.algorithms.config import AlgoConfig
-from vapo_megatron.algorithms.gae import gae_packed, gae_padded, length_adaptive_lambda
+from vapo_megatron.algorithms.gae import gae_packed_lambdas, gae_padded, length_adaptive_lambda
 
 
 def gae_lambdas(
@@ -48,14 +48,19 @@ def decoupled_gae_packed(
     response_mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As :func:`decoupled_gae_padded` for packed sequences [N] with boundaries cu_seqlens [S + 1]."""
-    num_seqs = cu_seqlens.numel() - 1
+    """As :func:`decoupled_gae_padded` for packed sequences [N] with boundaries cu_seqlens [S + 1].
+
+    Both lambdas run in one scan over the tokens, with no padding to the longest sequence.
+    """
     cu_seqlens = cu_seqlens.to(rewards.device)
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(num_seqs, device=rewards.device), cu_seqlens.diff()
+    kept = torch.nn.functional.pad(response_mask.bool().cumsum(0), (1, 0))[cu_seqlens]
+    lam_policy, lam_critic = gae_lambdas(cfg, kept.diff())
+    if lam_critic is lam_policy:
+        advantages, returns = gae_packed_lambdas(
+            rewards, values, response_mask, cu_seqlens, lam_policy[None], cfg.gamma
+        )
+        return advantages[0], returns[0], lam_policy
+    advantages, returns = gae_packed_lambdas(
+        rewards, values, response_mask, cu_seqlens, torch.stack([lam_policy, lam_critic]), cfg.gamma
     )
-    lengths = torch.bincount(seq_of_token[response_mask.bool()], minlength=num_seqs)
-    lam_policy, lam_critic = gae_lambdas(cfg, lengths)
-    advantages, _ = gae_packed(rewards, values, response_mask, cu_seqlens, lam_policy, cfg.gamma)
-    _, returns = gae_packed(rewards, values, response_mask, cu_seqlens, lam_critic, cfg.gamma)
-    return advantages, returns, lam_policy
+    return advantages[0], returns[1], lam_policy

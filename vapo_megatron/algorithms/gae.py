@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 CHUNK = 16
+SCAN_CHUNK = 64  # tokens per chunk of the packed (segmented) scan
 
 
 def length_adaptive_lambda(num_response_tokens: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -107,26 +108,93 @@ def _gae_rows(rewards, values, mask, lam, gamma):
     return advantages, returns
 
 
-def _gae_compacted(rewards, values, response_mask, row_of_token, num_rows, lam, gamma):
-    """GAE on flat [N] tokens of ``num_rows`` sequences by moving each sequence's response
-    tokens into one left-aligned row of a dense [num_rows, max_len] batch and back."""
-    token_index = response_mask.reshape(-1).nonzero().squeeze(1)  # [M]
-    rows = row_of_token[token_index]
-    lengths = torch.bincount(rows, minlength=num_rows)
-    width = int(lengths.max()) if token_index.numel() > 0 else 0
-    starts = torch.cumsum(lengths, 0) - lengths
-    dest = torch.arange(token_index.numel(), device=rows.device) + rows * width - starts[rows]
+def segmented_reverse_cumsum(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """y_t = x_t + coef_t * y_{t+1} along the last dim, with y past the end = 0.
+
+    x, coef: [K, N] float (K independent scans over the same N tokens); coef_t = 0 cuts the
+    scan after t, so packed sequences laid end to end scan with no padding at all. Returns a
+    new [K, N] tensor. Chunks of ``SCAN_CHUNK`` tokens are laid out column-wise ([K, C, n]),
+    so the sequential loop over a chunk's C positions touches all n chunks at once with
+    contiguous rows; each chunk's start then takes the chunks to its right through the same
+    recurrence on n values (recursively), and one fused pass adds that carry everywhere.
+    """
+    num_rows, length = x.shape
+    chunk = min(SCAN_CHUNK, max(length, 1))
+    num_chunks = -(-length // chunk)
+    pad = num_chunks * chunk - length
+    # [K, C, n]: y (built in place of x) and the running coefficient product (in place of coef).
+    ys = torch.nn.functional.pad(x, (0, pad)).view(num_rows, num_chunks, chunk)
+    ys = ys.transpose(1, 2).contiguous()
+    prods = torch.nn.functional.pad(coef.to(x.dtype), (0, pad)).view(num_rows, num_chunks, chunk)
+    prods = prods.transpose(1, 2).contiguous()
+    for j in range(chunk - 2, -1, -1):
+        ys[:, j].addcmul_(prods[:, j], ys[:, j + 1])  # prods[:, j] is still coef_j here
+        prods[:, j].mul_(prods[:, j + 1])  # now: coef_j * ... * coef_(chunk end)
+    if num_chunks > 1:
+        # Full value at each chunk's start: Y_i = ys[0, i] + prods[0, i] * Y_(i+1).
+        starts = segmented_reverse_cumsum(ys[:, 0], prods[:, 0])
+        after = torch.nn.functional.pad(starts[:, 1:], (0, 1))  # [K, n]: Y_(i+1), 0 at the end
+        ys.addcmul_(prods, after[:, None, :])
+    return ys.transpose(1, 2).reshape(num_rows, num_chunks * chunk)[:, :length]
+
+
+def _gae_flat(rewards, values, cu_seqlens, lams, gamma):
+    """GAE over packed sequences whose every token is a response token.
+
+    rewards, values: [N]; cu_seqlens: [S + 1] on their device; lams: [K, S] float (K lambdas
+    per sequence, e.g. policy and critic). Returns advantages [K, N] (float32 unless float64
+    inputs). The scan coefficient is gamma * lambda inside a sequence and 0 at its last token.
+    """
     dtype = torch.promote_types(rewards.dtype, torch.float32)
-    dense = torch.zeros(3, num_rows * width, dtype=dtype, device=rewards.device)
-    dense[0, dest] = rewards.reshape(-1)[token_index].to(dtype)
-    dense[1, dest] = values.reshape(-1)[token_index].to(dtype)
-    dense[2, dest] = 1
-    dense = dense.view(3, num_rows, width)
-    adv_dense, ret_dense = _gae_rows(dense[0], dense[1], dense[2].bool(), lam, gamma)
-    advantages = torch.zeros(response_mask.numel(), dtype=dtype, device=rewards.device)
+    rewards, values = rewards.to(dtype), values.to(dtype)
+    lengths = cu_seqlens.diff()
+    ends = cu_seqlens[1:][lengths > 0] - 1  # each nonempty sequence's last token
+    # delta_t = r_t + gamma * V_(t+1) - V_t, with V after a sequence's last token = 0.
+    deltas = torch.sub(rewards, values)
+    deltas[:-1].add_(values[1:], alpha=gamma)
+    deltas[ends] = rewards[ends] - values[ends]
+    coef = torch.repeat_interleave((gamma * lams).to(dtype), lengths, dim=1)  # [K, N]
+    coef[:, ends] = 0
+    return segmented_reverse_cumsum(deltas.expand(lams.shape[0], -1), coef)
+
+
+def gae_packed_lambdas(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    lams: torch.Tensor,
+    gamma: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE on packed sequences with K lambdas per sequence in one scan, no padding.
+
+    rewards, values, response_mask: [N]; cu_seqlens: [S + 1] (any device); lams: [K, S] in
+    [0, 1]. Masked tokens are skipped (compacted out, scanned, scattered back as 0).
+    Returns (advantages [K, N], returns [K, N]), returns = advantages + values on the mask.
+    """
+    _check_packed(rewards, values, response_mask, cu_seqlens)
+    cu_seqlens = cu_seqlens.to(rewards.device)
+    if lams.dim() != 2 or lams.shape[1] != cu_seqlens.numel() - 1:
+        raise ValueError(
+            f"lams must be [K, {cu_seqlens.numel() - 1}] (K lambdas per sequence), "
+            f"got {tuple(lams.shape)}"
+        )
+    if ((lams < 0) | (lams > 1)).any():
+        raise ValueError(f"lam must lie in [0, 1], got min {lams.min()} max {lams.max()}")
+    check_rewards_on_response(rewards, response_mask, "packed token")
+    mask = response_mask.bool()
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    if bool(mask.all()):
+        advantages = _gae_flat(rewards, values, cu_seqlens, lams, gamma)
+        return advantages, advantages + values.to(dtype)
+    # Drop the masked tokens: each sequence keeps its response tokens, in order.
+    token_index = mask.nonzero().squeeze(1)
+    kept = torch.nn.functional.pad(mask.cumsum(0), (1, 0))[cu_seqlens]  # [S + 1]
+    compact = _gae_flat(rewards[token_index], values[token_index], kept, lams, gamma)
+    advantages = torch.zeros(lams.shape[0], rewards.numel(), dtype=dtype, device=rewards.device)
+    advantages[:, token_index] = compact
     returns = torch.zeros_like(advantages)
-    advantages[token_index] = adv_dense.reshape(-1)[dest]
-    returns[token_index] = ret_dense.reshape(-1)[dest]
+    returns[:, token_index] = compact + values[token_index].to(dtype)
     return advantages, returns
 
 
@@ -190,10 +258,38 @@ def gae_padded(
     mask = response_mask.bool()
     if _is_one_run_per_row(mask):
         return _gae_rows(rewards, values, mask, lam, gamma)
-    # Several runs per row (e.g. multi-turn masks): left-align each row's tokens first.
-    row = torch.arange(batch, device=rewards.device).repeat_interleave(length)
-    adv, ret = _gae_compacted(rewards, values, mask, row, batch, lam, gamma)
+    # Several runs per row (e.g. multi-turn masks): the rows as packed sequences.
+    cu_seqlens = torch.arange(batch + 1, device=rewards.device) * length
+    lams = _lambda_rows(lam, batch, rewards.device)
+    adv, ret = gae_packed_lambdas(
+        rewards.reshape(-1), values.reshape(-1), mask.reshape(-1), cu_seqlens, lams, gamma
+    )
     return adv.view(batch, length), ret.view(batch, length)
+
+
+def _check_packed(rewards, values, response_mask, cu_seqlens):
+    if rewards.dim() != 1 or rewards.shape != values.shape or rewards.shape != response_mask.shape:
+        raise ValueError(
+            f"packed rewards, values and response_mask must share one [N] shape, got "
+            f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}"
+        )
+    if (
+        int(cu_seqlens[0]) != 0
+        or int(cu_seqlens[-1]) != rewards.numel()
+        or (cu_seqlens.diff() < 0).any()
+    ):
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to the token count {rewards.numel()}, got "
+            f"{cu_seqlens.tolist()}"
+        )
+
+
+def _lambda_rows(lam, num_seqs: int, device) -> torch.Tensor:
+    """lam (a float or [S]) as the [1, S] float64 tensor gae_packed_lambdas takes."""
+    _check_lambda(lam, num_seqs)
+    if isinstance(lam, torch.Tensor):
+        return lam.to(device=device, dtype=torch.float64)[None]
+    return torch.full((1, num_seqs), float(lam), dtype=torch.float64, device=device)
 
 
 def gae_packed(
@@ -210,22 +306,9 @@ def gae_packed(
     cu_seqlens: [S + 1] boundaries (0, ..., N), on any device; lam: [S] or a float. Rewards
     must be 0 off the mask (else ValueError). Returns (advantages [N], returns [N]).
     """
-    if rewards.dim() != 1 or rewards.shape != values.shape or rewards.shape != response_mask.shape:
-        raise ValueError(
-            f"packed rewards, values and response_mask must share one [N] shape, got "
-            f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}"
-        )
-    num_seqs = cu_seqlens.numel() - 1
-    cu_seqlens = cu_seqlens.to(rewards.device)
-    if (
-        int(cu_seqlens[0]) != 0
-        or int(cu_seqlens[-1]) != rewards.numel()
-        or (cu_seqlens.diff() < 0).any()
-    ):
-        raise ValueError(
-            f"cu_seqlens must rise from 0 to the token count {rewards.numel()}, got {cu_seqlens.tolist()}"
-        )
-    _check_lambda(lam, num_seqs)
-    check_rewards_on_response(rewards, response_mask, "packed token")
-    row = torch.repeat_interleave(torch.arange(num_seqs, device=rewards.device), cu_seqlens.diff())
-    return _gae_compacted(rewards, values, response_mask.bool(), row, num_seqs, lam, gamma)
+    _check_packed(rewards, values, response_mask, cu_seqlens)
+    lams = _lambda_rows(lam, cu_seqlens.numel() - 1, rewards.device)
+    advantages, returns = gae_packed_lambdas(
+        rewards, values, response_mask, cu_seqlens, lams, gamma
+    )
+    return advantages[0], returns[0]
