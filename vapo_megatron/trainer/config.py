@@ -8,6 +8,7 @@ doc; :meth:`TrainConfig.check` refuses impossible combinations with the fix in t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from vapo_megatron.algorithms.config import AlgoConfig
@@ -41,6 +42,47 @@ class ModelSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RecomputeSettings:
+    """Activation recompute of one model (megatron-core's recompute_* TransformerConfig fields)."""
+
+    granularity: Literal["selective", "full"] | None = None
+    """None: keep every activation; selective: recompute core attention; full: keep only each recomputed layer's input."""
+    method: Literal["uniform", "block"] | None = None
+    """full only: uniform recomputes groups of num_layers layers; block the first num_layers layers of each pipeline stage."""
+    num_layers: int | None = None
+    """full only: layers per recomputed group (uniform) or recomputed layers per stage (block)."""
+
+    def __post_init__(self) -> None:
+        if self.granularity not in (None, "selective", "full"):
+            raise ValueError(
+                f"recompute.granularity must be selective, full or null, got {self.granularity!r}"
+            )
+        if self.granularity == "full":
+            if self.method not in ("uniform", "block") or not self.num_layers:
+                raise ValueError(
+                    f"recompute.granularity=full needs method uniform or block and num_layers >= "
+                    f"1, got method={self.method!r} num_layers={self.num_layers!r}; e.g. "
+                    f"recompute.method=uniform recompute.num_layers=1"
+                )
+            if self.num_layers < 1:
+                raise ValueError(f"recompute.num_layers must be >= 1, got {self.num_layers}")
+        elif self.method is not None or self.num_layers is not None:
+            raise ValueError(
+                f"recompute.method={self.method!r} / num_layers={self.num_layers!r} only apply to "
+                f"granularity=full (got {self.granularity!r}): remove them or set "
+                f"recompute.granularity=full"
+            )
+
+    def transformer_config_kwargs(self) -> dict[str, object]:
+        """The TransformerConfig fields these settings set."""
+        return {
+            "recompute_granularity": self.granularity,
+            "recompute_method": self.method,
+            "recompute_num_layers": self.num_layers,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
 class PolicySettings:
     """The policy's layout, optimizer and optional Megatron checkpoint."""
 
@@ -50,6 +92,8 @@ class PolicySettings:
     """Adam and schedule (VAPO: lr 1e-6)."""
     load: str | None = None
     """Megatron checkpoint of the policy (tools/convert.py hf-to-mcore); None: read model.path's weights."""
+    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
+    """Activation recompute of the policy (off by default)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +110,8 @@ class CriticSettings:
     """A critic checkpoint saved by an earlier critic pretraining (run_dir/critic_pretrained); skips pretraining."""
     value_head_init_std: float = 0.0
     """critic_init=policy: std of the new value head's weights (0: values start at 0)."""
+    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
+    """Activation recompute of the critic (off by default)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,3 +377,33 @@ class TrainConfig:
             )
         if trainer.keep_last < 1:
             raise ValueError(f"trainer.keep_last must be >= 1, got {trainer.keep_last}")
+
+
+def critic_start_help(config: TrainConfig) -> str:
+    """The two ways to give the critic a start, as commands for this recipe's model and layout
+    (the paper's own reward model is not public; docs/cluster.md lists public ones)."""
+    path, layout = config.critic.init_path, config.critic.layout
+    convert = f"python tools/convert.py hf-to-mcore --tp {layout.tp} --pp {layout.pp}"
+    return (
+        f"either convert a reward model of the policy's architecture "
+        f"(a one-label *ForSequenceClassification): `{convert} --hf RM_DIR --out {path} "
+        f"--critic-from reward-model`; or start the critic from the policy: `{convert} --hf "
+        f"{config.model.path} --out CRITIC_DIR --critic-from policy` with "
+        "algorithm.critic_init=policy critic.init_path=CRITIC_DIR (value pretraining then starts "
+        "from a zero value head: give it more steps, algorithm.value_pretrain_steps)"
+    )
+
+
+def check_critic_start(config: TrainConfig, *, has_pretrained_critic: bool = False) -> None:
+    """ValueError, naming both ways out, when the critic would start from a critic.init_path
+    that is not there. Nothing to check without a critic, or when a pretrained critic (this
+    run's, or critic.pretrained) is used instead."""
+    path = config.critic.init_path
+    if not config.algorithm.uses_critic or has_pretrained_critic or config.critic.pretrained:
+        return
+    if path is None or Path(path).exists():
+        return
+    raise ValueError(
+        f"critic.init_path={path} does not exist (algorithm.critic_init="
+        f"{config.algorithm.critic_init}): {critic_start_help(config)}"
+    )

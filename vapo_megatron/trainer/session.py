@@ -31,7 +31,7 @@ from vapo_megatron.parallel.model_groups import (
     seed_rng_tracker,
 )
 from vapo_megatron.rewards.registry import check_data_sources, resolve_routing
-from vapo_megatron.trainer.config import TrainConfig
+from vapo_megatron.trainer.config import TrainConfig, check_critic_start
 from vapo_megatron.trainer.model_engine import ModelEngine
 
 logger = logging.getLogger("vapo_megatron")
@@ -131,6 +131,9 @@ class Session:
         )
         """Gloo over every rank: counts, timings, objects, barriers (``parallel/collectives``)."""
         config.check(self.world_size)
+        check_critic_start(
+            config, has_pretrained_critic=_is_model_dir(self.pretrained_critic_dir())
+        )
         torch.manual_seed(config.trainer.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.stop_token_ids = stop_token_ids(self.tokenizer, config.model.path)
@@ -162,6 +165,7 @@ class Session:
         self.policy = ModelEngine(
             self.hf, config.policy.layout, head="lm", optim=config.policy.optim,
             groups=self.policy_groups, params_dtype=dtype, gpu=config.gpu,
+            recompute=config.policy.recompute,
         )  # fmt: skip
         policy_tensors = None
         if config.policy.load:
@@ -178,6 +182,7 @@ class Session:
             self.critic = ModelEngine(
                 self.hf, config.critic.layout, head="value", optim=config.critic.optim,
                 groups=self.critic_groups, params_dtype=dtype, gpu=config.gpu,
+                recompute=config.critic.recompute,
             )  # fmt: skip
             self._init_critic(policy_tensors)
         del policy_tensors
