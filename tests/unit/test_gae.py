@@ -301,4 +301,4 @@ def test_packed_gae_does_not_pad_to_the_longest_sequence():
     for mask in (torch.ones(num_tokens, dtype=torch.bool), values > 0.1):
         with LargestTensor() as seen:
             decoupled_gae_packed(algo_preset("vapo"), rewards * mask, values, mask, cu)
-        assert seen.largest <= 2 * (num_tokens + 64), seen.largest
+        assert seen.largest <= 3 * num_tokens, seen.largest

@@ -28,6 +28,7 @@ import torch
 
 CHUNK = 16
 SCAN_CHUNK = 64  # tokens per chunk of the packed (segmented) scan
+SCAN_TILE = 16  # chunks per tile of its position-major layout
 
 
 def length_adaptive_lambda(num_response_tokens: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -113,29 +114,38 @@ def segmented_reverse_cumsum(x: torch.Tensor, coef: torch.Tensor) -> torch.Tenso
 
     x, coef: [K, N] float (K independent scans over the same N tokens); coef_t = 0 cuts the
     scan after t, so packed sequences laid end to end scan with no padding at all. Returns a
-    new [K, N] tensor. Chunks of ``SCAN_CHUNK`` tokens are laid out column-wise ([K, C, n]),
-    so the sequential loop over a chunk's C positions touches all n chunks at once with
-    contiguous rows; each chunk's start then takes the chunks to its right through the same
-    recurrence on n values (recursively), and one fused pass adds that carry everywhere.
+    new [K, N] tensor.
+
+    Chunks of C = ``SCAN_CHUNK`` tokens; tiles of B = ``SCAN_TILE`` chunks are stored position-
+    major ([K, tiles, C, B]), so the sequential loop over a chunk's C positions updates every
+    chunk at once through runs of B contiguous floats, and the re-layout is a cache-friendly
+    per-tile transpose (a whole-buffer transpose costs several memcpys). Each chunk's start
+    then takes the chunks to its right through the same recurrence on N / C values
+    (recursively), and one fused pass adds that carry everywhere.
     """
     num_rows, length = x.shape
     chunk = min(SCAN_CHUNK, max(length, 1))
     num_chunks = -(-length // chunk)
-    pad = num_chunks * chunk - length
-    # [K, C, n]: y (built in place of x) and the running coefficient product (in place of coef).
-    ys = torch.nn.functional.pad(x, (0, pad)).view(num_rows, num_chunks, chunk)
-    ys = ys.transpose(1, 2).contiguous()
-    prods = torch.nn.functional.pad(coef.to(x.dtype), (0, pad)).view(num_rows, num_chunks, chunk)
-    prods = prods.transpose(1, 2).contiguous()
+    tile = min(SCAN_TILE, max(num_chunks, 1))
+    num_tiles = -(-num_chunks // tile)
+    padded = num_tiles * tile * chunk
+    shape = (num_rows, num_tiles, tile, chunk)
+
+    def position_major(t):  # [K, N] -> [K, tiles, C, B], zero-padded (coef 0 cuts the pad off)
+        t = torch.nn.functional.pad(t, (0, padded - length)).view(shape)
+        return t.transpose(2, 3).contiguous()
+
+    ys, prods = position_major(x), position_major(coef.to(x.dtype))
     for j in range(chunk - 2, -1, -1):
-        ys[:, j].addcmul_(prods[:, j], ys[:, j + 1])  # prods[:, j] is still coef_j here
-        prods[:, j].mul_(prods[:, j + 1])  # now: coef_j * ... * coef_(chunk end)
+        ys[:, :, j].addcmul_(prods[:, :, j], ys[:, :, j + 1])  # prods[j] is still coef_j here
+        prods[:, :, j].mul_(prods[:, :, j + 1])  # now: coef_j * ... * coef_(chunk end)
     if num_chunks > 1:
         # Full value at each chunk's start: Y_i = ys[0, i] + prods[0, i] * Y_(i+1).
-        starts = segmented_reverse_cumsum(ys[:, 0], prods[:, 0])
-        after = torch.nn.functional.pad(starts[:, 1:], (0, 1))  # [K, n]: Y_(i+1), 0 at the end
-        ys.addcmul_(prods, after[:, None, :])
-    return ys.transpose(1, 2).reshape(num_rows, num_chunks * chunk)[:, :length]
+        first_y = ys[:, :, 0].reshape(num_rows, -1)
+        starts = segmented_reverse_cumsum(first_y, prods[:, :, 0].reshape(num_rows, -1))
+        after = torch.nn.functional.pad(starts[:, 1:], (0, 1))  # Y_(i+1), 0 past the end
+        ys.addcmul_(prods, after.view(num_rows, num_tiles, 1, tile))
+    return ys.transpose(2, 3).reshape(num_rows, padded)[:, :length]
 
 
 def _gae_flat(rewards, values, cu_seqlens, lams, gamma):
