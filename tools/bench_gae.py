@@ -1,5 +1,8 @@
 """GAE benchmark: the chunked scan against the textbook reverse loop, one thread.
 
+Then the 32B recipe's step shape (8,192 samples, lognormal response lengths capped at 20,480,
+about 42M tokens): decoupled packed GAE (both lambdas, no padding) against a memcpy of the
+bytes it reads and writes (fp32 rewards and values in, advantages and returns out).
 Also prints what context-parallel GAE sends per sequence (a carry per chunk) against
 gathering the sequence's values, rewards and mask on every rank.
 """
@@ -11,7 +14,9 @@ import time
 
 import torch
 
+from vapo_megatron.algorithms.advantages import decoupled_gae_packed
 from vapo_megatron.algorithms.gae import gae_padded
+from vapo_megatron.algorithms.presets import algo_preset
 from vapo_megatron.parallel.cp_gae import CARRY_FIELDS
 
 
@@ -47,6 +52,31 @@ def make_batch(batch: int, length: int, seed: int = 0):
     return rewards, values, mask, lam
 
 
+# The 32B recipe's step (recipes/vapo.yaml): 512 prompts x 16 samples, max_new_tokens 20,480;
+# response lengths lognormal around a ~5,200-token mean (the issue's measured shape).
+STEP_SAMPLES = 8192
+MAX_RESPONSE = 20480
+LOG_MEDIAN, LOG_SIGMA = 8.27, 0.8
+
+
+def response_lengths(samples: int, seed: int = 0) -> torch.Tensor:
+    """[S] int64 response lengths of the recipe's distribution, capped at MAX_RESPONSE."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = torch.exp(torch.randn(samples, generator=gen) * LOG_SIGMA + LOG_MEDIAN)
+    return draw.clamp(1, MAX_RESPONSE).long()
+
+
+def step_shape_packed(samples: int):
+    """Flat rewards (score at each response's last token), values, mask, cu_seqlens."""
+    lengths = response_lengths(samples)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    num_tokens = int(cu[-1])
+    rewards = torch.zeros(num_tokens)
+    rewards[cu[1:] - 1] = torch.randint(0, 2, (samples,)).float()
+    values = torch.rand(num_tokens)
+    return rewards, values, torch.ones(num_tokens, dtype=torch.bool), cu
+
+
 def best_of(fn, args, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -74,6 +104,18 @@ def run(quick: bool = False) -> None:
             f"{batch:>5} x {length:<6} {loop_s:9.3f} {scan_s * 1e3:9.2f} {speedup:8.1f} {diff:11.2e}"
         )
 
+    samples = 512 if quick else STEP_SAMPLES
+    packed = step_shape_packed(samples)
+    num_tokens = packed[0].numel()
+    cfg = algo_preset("vapo")
+    gae_s = best_of(lambda *a: decoupled_gae_packed(cfg, *a), packed, 3)
+    src = torch.empty(2 * num_tokens)  # 8 bytes per token read, 8 written: the GAE's own I/O
+    dst = torch.empty_like(src)
+    memcpy_s = best_of(dst.copy_, (src,), 3)
+    print(f"\n32B step shape: {samples} samples, {num_tokens:,} response tokens")
+    print(f"{'packed GAE s':>13} {'memcpy s':>9} {'ratio':>6}")
+    print(f"{gae_s:13.3f} {memcpy_s:9.3f} {gae_s / memcpy_s:6.1f}")
+
     length = shapes[-1][1]
     gathered = length * (4 + 4 + 1)  # fp32 values and rewards, bool mask, per rank
     print(f"\ncontext-parallel GAE, bytes one sequence of {length} tokens sends per rank:")
@@ -83,6 +125,14 @@ def run(quick: bool = False) -> None:
         print(f"{cp:>4} {carries:>9} {gathered * (cp - 1) // cp:>11}")
     print(
         json.dumps(
-            {"bench": "gae", "shape": list(shapes[-1]), "speedup_vs_loop": round(speedup, 1)}
+            {
+                "bench": "gae",
+                "shape": list(shapes[-1]),
+                "speedup_vs_loop": round(speedup, 1),
+                "step_samples": samples,
+                "step_tokens": num_tokens,
+                "step_gae_s": round(gae_s, 3),
+                "step_memcpy_s": round(memcpy_s, 3),
+            }
         )
     )

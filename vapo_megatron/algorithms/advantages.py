@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from vapo_megatron.algorithms.config import AlgoConfig
-from vapo_megatron.algorithms.gae import gae_packed_lambdas, gae_padded, length_adaptive_lambda
+from vapo_megatron.algorithms.gae import (
+    gae_packed_lambdas,
+    gae_padded,
+    length_adaptive_lambda,
+    packed_returns,
+)
 
 
 def gae_lambdas(
@@ -53,14 +58,12 @@ def decoupled_gae_packed(
     Both lambdas run in one scan over the tokens, with no padding to the longest sequence.
     """
     cu_seqlens = cu_seqlens.to(rewards.device)
-    kept = torch.nn.functional.pad(response_mask.bool().cumsum(0), (1, 0))[cu_seqlens]
-    lam_policy, lam_critic = gae_lambdas(cfg, kept.diff())
-    if lam_critic is lam_policy:
-        advantages, returns = gae_packed_lambdas(
-            rewards, values, response_mask, cu_seqlens, lam_policy[None], cfg.gamma
-        )
-        return advantages[0], returns[0], lam_policy
-    advantages, returns = gae_packed_lambdas(
-        rewards, values, response_mask, cu_seqlens, torch.stack([lam_policy, lam_critic]), cfg.gamma
-    )
-    return advantages[0], returns[1], lam_policy
+    if bool(response_mask.all()):
+        lengths = cu_seqlens.diff()
+    else:
+        lengths = torch.nn.functional.pad(response_mask.bool().cumsum(0), (1, 0))[cu_seqlens].diff()
+    lam_policy, lam_critic = gae_lambdas(cfg, lengths)
+    lams = lam_policy[None] if lam_critic is lam_policy else torch.stack([lam_policy, lam_critic])
+    advantages = gae_packed_lambdas(rewards, values, response_mask, cu_seqlens, lams, cfg.gamma)
+    returns = packed_returns(advantages[-1], values, response_mask)
+    return advantages[0], returns, lam_policy

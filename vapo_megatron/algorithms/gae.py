@@ -132,8 +132,15 @@ def segmented_reverse_cumsum(x: torch.Tensor, coef: torch.Tensor) -> torch.Tenso
     shape = (num_rows, num_tiles, tile, chunk)
 
     def position_major(t):  # [K, N] -> [K, tiles, C, B], zero-padded (coef 0 cuts the pad off)
-        t = torch.nn.functional.pad(t, (0, padded - length)).view(shape)
-        return t.transpose(2, 3).contiguous()
+        out = torch.empty(shape[:2] + (chunk, tile), dtype=x.dtype, device=x.device)
+        full = length // (tile * chunk)  # whole tiles: one transposing copy, no padded copy
+        cut = full * tile * chunk
+        out[:, :full].copy_(t[:, :cut].view(num_rows, full, tile, chunk).transpose(2, 3))
+        if full < num_tiles:
+            rest = torch.zeros(num_rows, tile * chunk, dtype=x.dtype, device=x.device)
+            rest[:, : length - cut] = t[:, cut:]
+            out[:, full:].copy_(rest.view(num_rows, 1, tile, chunk).transpose(2, 3))
+        return out
 
     ys, prods = position_major(x), position_major(coef.to(x.dtype))
     for j in range(chunk - 2, -1, -1):
@@ -175,12 +182,12 @@ def gae_packed_lambdas(
     cu_seqlens: torch.Tensor,
     lams: torch.Tensor,
     gamma: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE on packed sequences with K lambdas per sequence in one scan, no padding.
+) -> torch.Tensor:
+    """GAE advantages on packed sequences with K lambdas per sequence in one scan, no padding.
 
     rewards, values, response_mask: [N]; cu_seqlens: [S + 1] (any device); lams: [K, S] in
     [0, 1]. Masked tokens are skipped (compacted out, scanned, scattered back as 0).
-    Returns (advantages [K, N], returns [K, N]), returns = advantages + values on the mask.
+    Returns advantages [K, N]; the returns of row k are ``packed_returns(advantages[k], ...)``.
     """
     _check_packed(rewards, values, response_mask, cu_seqlens)
     cu_seqlens = cu_seqlens.to(rewards.device)
@@ -191,21 +198,28 @@ def gae_packed_lambdas(
         )
     if ((lams < 0) | (lams > 1)).any():
         raise ValueError(f"lam must lie in [0, 1], got min {lams.min()} max {lams.max()}")
-    check_rewards_on_response(rewards, response_mask, "packed token")
     mask = response_mask.bool()
-    dtype = torch.promote_types(rewards.dtype, torch.float32)
-    if bool(mask.all()):
-        advantages = _gae_flat(rewards, values, cu_seqlens, lams, gamma)
-        return advantages, advantages + values.to(dtype)
+    if bool(mask.all()):  # every token is a response token: nothing to check or compact
+        return _gae_flat(rewards, values, cu_seqlens, lams, gamma)
+    check_rewards_on_response(rewards, response_mask, "packed token")
     # Drop the masked tokens: each sequence keeps its response tokens, in order.
     token_index = mask.nonzero().squeeze(1)
     kept = torch.nn.functional.pad(mask.cumsum(0), (1, 0))[cu_seqlens]  # [S + 1]
     compact = _gae_flat(rewards[token_index], values[token_index], kept, lams, gamma)
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
     advantages = torch.zeros(lams.shape[0], rewards.numel(), dtype=dtype, device=rewards.device)
     advantages[:, token_index] = compact
-    returns = torch.zeros_like(advantages)
-    returns[:, token_index] = compact + values[token_index].to(dtype)
-    return advantages, returns
+    return advantages
+
+
+def packed_returns(
+    advantages: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """Critic targets [N]: advantages + values on the mask, 0 off it (all [N])."""
+    values = values.to(advantages.dtype)
+    if bool(response_mask.all()):
+        return advantages + values
+    return torch.addcmul(advantages, values, response_mask.to(advantages.dtype))
 
 
 def check_rewards_on_response(
@@ -271,9 +285,11 @@ def gae_padded(
     # Several runs per row (e.g. multi-turn masks): the rows as packed sequences.
     cu_seqlens = torch.arange(batch + 1, device=rewards.device) * length
     lams = _lambda_rows(lam, batch, rewards.device)
-    adv, ret = gae_packed_lambdas(
-        rewards.reshape(-1), values.reshape(-1), mask.reshape(-1), cu_seqlens, lams, gamma
-    )
+    flat_mask = mask.reshape(-1)
+    adv = gae_packed_lambdas(
+        rewards.reshape(-1), values.reshape(-1), flat_mask, cu_seqlens, lams, gamma
+    )[0]
+    ret = packed_returns(adv, values.reshape(-1), flat_mask)
     return adv.view(batch, length), ret.view(batch, length)
 
 
@@ -318,7 +334,5 @@ def gae_packed(
     """
     _check_packed(rewards, values, response_mask, cu_seqlens)
     lams = _lambda_rows(lam, cu_seqlens.numel() - 1, rewards.device)
-    advantages, returns = gae_packed_lambdas(
-        rewards, values, response_mask, cu_seqlens, lams, gamma
-    )
-    return advantages[0], returns[0]
+    advantages = gae_packed_lambdas(rewards, values, response_mask, cu_seqlens, lams, gamma)[0]
+    return advantages, packed_returns(advantages, values, response_mask)
