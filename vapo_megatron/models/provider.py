@@ -101,11 +101,13 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool | None = None,
     gpu: ResolvedGpuSettings | None = None,
+    recompute: dict[str, object] | None = None,
 ) -> TransformerConfig:
     """The TransformerConfig of ``hf`` under ``layout`` (fp32 or bf16 parameters).
 
     ``gpu``: the fusions :func:`gpu_settings.resolve` chose; None leaves megatron-core's
-    defaults (every fusion off), as on CPU.
+    defaults (every fusion off), as on CPU. ``recompute``: the ``recompute_*`` fields
+    (``RecomputeSettings.transformer_config_kwargs()``); None: no activation recompute.
     """
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype must be float32 or bfloat16, got {params_dtype}")
@@ -127,6 +129,7 @@ def transformer_config(
         overlap_p2p_comm=layout.vpp is not None,
         batch_p2p_comm=layout.vpp is None,
         **(gpu.transformer_config_kwargs() if gpu is not None else {}),
+        **(recompute or {}),
     )
 
 

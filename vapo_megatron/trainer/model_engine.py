@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from megatron.core.distributed import (
@@ -51,6 +51,9 @@ from vapo_megatron.models.provider import (
 from vapo_megatron.models.record import ModelRecord
 from vapo_megatron.parallel.devices import training_device
 from vapo_megatron.parallel.model_groups import ModelGroups, seed_rng_tracker
+
+if TYPE_CHECKING:  # trainer.config imports this module (OptimSettings)
+    from vapo_megatron.trainer.config import RecomputeSettings
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(model output [b, s, V/tp] logits or [b, s, 1] values, micro-batch) -> (loss share, metrics)."""
@@ -108,6 +111,7 @@ class ModelEngine:
 
     ``groups``: this model's process groups (:func:`build_model_groups`); None reads the
     layout megatron-core's ``parallel_state`` was initialised with (one layout per job).
+    ``recompute``: activation recompute (``trainer.config.RecomputeSettings``); None: off.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class ModelEngine:
         params_dtype: torch.dtype = torch.float32,
         layer_spec: ModuleSpec | None = None,
         gpu: GpuSettings | None = None,
+        recompute: RecomputeSettings | None = None,
     ):
         layout.check(hf)
         apply_megatron_patches()  # GQA with fewer KV heads than TP ranks: the model's TP group
@@ -151,7 +156,10 @@ class ModelEngine:
             overlap_hooks=True,
             name="critic" if head == "value" else "policy",
         )
-        self.config = transformer_config(hf, layout, params_dtype=params_dtype, gpu=self.gpu)
+        self.config = transformer_config(
+            hf, layout, params_dtype=params_dtype, gpu=self.gpu,
+            recompute=recompute.transformer_config_kwargs() if recompute is not None else None,
+        )  # fmt: skip
         self.config.finalize_model_grads_func = finalize_model_grads
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=optim.distributed_optimizer, **self.gpu.ddp_config_kwargs()
