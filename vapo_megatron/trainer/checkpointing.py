@@ -1,29 +1,32 @@
-"""Training checkpoints: what a run needs to continue exactly where it stopped, written atomically.
+"""Training checkpoints: what a run needs to continue where it stopped, written atomically.
 
 On disk, under the run's checkpoint root::
 
     latest                          the step of the newest complete checkpoint ("12\\n")
     step_00000012/                  one complete checkpoint
         COMPLETE                    written last, before the rename; without it nothing loads
-        meta.json                   format, step, world size, each model's layout
+        meta.json                   format, step, world size, each model's layout and optimizer
+                                    format
         extra.pt                    the trainer's state (rank 0's; identical on every rank)
         rng/rank_00000.pt           per rank: python, numpy, torch CPU (and CUDA), Megatron's tracker
-        policy/rank_00000.pt        per rank: model chunks, optimizer, scheduler
-        policy/weights/             reshardable weights (models/checkpoint.py), when the model
-                                    has weights metadata: `tools/convert.py mcore-to-hf` exports it
+        policy/weights/             megatron dist_checkpointing (torch_dist): the model's
+                                    ``sharded_state_dict``; with weights metadata also
+                                    ``vapo_checkpoint.json``, and `tools/convert.py mcore-to-hf`
+                                    exports it
+        policy/optimizer/           dist_checkpointing: the optimizer's ``sharded_state_dict``
+        policy/scheduler.pt         the learning-rate schedule's position (rank 0's)
         critic/...
     step_00000014.tmp-3f9a2c1b/     a save in progress, or killed: never loaded, removed by the
                                     next successful save
 
-Resume state is per-rank ``torch.save``, so it loads back bit for bit but only at the layout
-and world size it was saved at; the ``weights/`` directories are the way to another layout.
-
-The optimizer is saved as each (sub-)optimizer's inner torch optimizer ``state_dict`` plus the
-parameters it steps (the fp32 main copies in bf16 mode, this rank's shard with the distributed
-optimizer), the same for every megatron-core optimizer class. Not megatron's own
-``optimizer.state_dict()``: the distributed optimizer's leaves the parameter state out, and its
-``load_state_dict`` gives every parameter one shared ``step`` tensor, which torch's Adam then
-increments once per parameter (wrong bias correction after a resume).
+Each tensor is written once: replicas (data- and context-parallel copies of a weight, the plain
+optimizer's state) are split between the model's DP x CP ranks by megatron's fully parallel
+strategy, so a checkpoint has the same bytes at any DP size. Loading reshards: another DP or
+CP size always; another TP/PP with the plain optimizer (its state is per parameter) or with a
+distributed optimizer saved ``fully_reshardable`` (``TrainableState.fully_reshardable``; the
+save gathers each DP group's state, so it costs host memory); the distributed optimizer's
+default ``dp_reshardable`` format stores its own buckets and loads at another DP/CP only. At
+the same layout a resume is bit for bit.
 """
 
 from __future__ import annotations
@@ -44,11 +47,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, MegatronOptimizer
 from megatron.core.utils import unwrap_model
 
-from vapo_megatron.models.checkpoint import CheckpointMetadata, save_sharded_state
+from vapo_megatron.models.checkpoint import METADATA_NAME, CheckpointMetadata
+from vapo_megatron.models.checkpoint import _in_process_write_results as in_process_write_results
 from vapo_megatron.parallel import collectives
+from vapo_megatron.parallel.devices import HOST
 
 if TYPE_CHECKING:
     from vapo_megatron.trainer.model_engine import ModelEngine
@@ -56,12 +61,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FORMAT = "vapo-megatron-train-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+OLD_FORMAT_COMMIT = "f529748"
+"""The last commit that writes (and reads) format_version 1, the per-rank pickles."""
 MARKER = "COMPLETE"
 LATEST = "latest"
 META = "meta.json"
 EXTRA = "extra.pt"
 WEIGHTS = "weights"
+OPTIMIZER = "optimizer"
+SCHEDULER = "scheduler.pt"
 _STEP_DIR = re.compile(r"step_(\d{8})")
 _TMP_DIR = re.compile(r"step_\d{8}\.tmp-.+")
 
@@ -86,15 +95,23 @@ class TrainableState:
     """JSON-able description of how the model is split (tp, pp, cp, dp, dtype...): saved, and
     compared on load, where any difference is refused."""
     weights_meta: CheckpointMetadata | None = None
-    """When set, the weights are also written in the reshardable format with this metadata
-    (collective over the default process group)."""
+    """When set, ``weights/`` also gets this metadata (``vapo_checkpoint.json``), which makes it
+    a model checkpoint that ``tools/convert.py mcore-to-hf`` exports."""
     dp_cp_group: dist.ProcessGroup | None = None
-    """The model's data x context parallel group, which decides who writes which replica of
-    the reshardable weights; None: megatron-core's ``parallel_state`` one."""
+    """The model's data x context parallel group, over which replicas are split between
+    writers and readers; None: megatron-core's ``parallel_state`` one."""
+    fully_reshardable: bool = False
+    """Distributed optimizer only: save its state in the ``fully_reshardable`` format (loads
+    at another TP/PP; the save gathers the state of each DP group) instead of
+    ``dp_reshardable`` (loads at another DP/CP only)."""
 
     @classmethod
     def from_engine(
-        cls, engine: ModelEngine, *, weights_meta: CheckpointMetadata | None = None
+        cls,
+        engine: ModelEngine,
+        *,
+        weights_meta: CheckpointMetadata | None = None,
+        fully_reshardable: bool = False,
     ) -> TrainableState:
         """The state of a ``ModelEngine`` (``trainer/model_engine.py``)."""
         layout = dataclasses.asdict(engine.layout)
@@ -110,6 +127,7 @@ class TrainableState:
             layout=layout,
             weights_meta=weights_meta,
             dp_cp_group=engine.groups.pg_collection.dp_cp,
+            fully_reshardable=fully_reshardable,
         )
 
 
@@ -232,12 +250,14 @@ def save_train_checkpoint(
     keep_last: int,
     group: dist.ProcessGroup | None = None,
 ) -> Path:
-    """Save every model's state, this rank's RNG and rank 0's ``extra`` as checkpoint ``step``.
+    """Save every model's weights, optimizer and scheduler, this rank's RNG and rank 0's
+    ``extra`` as checkpoint ``step``.
 
-    Collective over ``group`` (default: every rank). All ranks write into a temporary
-    directory; once all are done, rank 0 renames it into place and moves ``latest``. Then, with
-    ``keep_last`` > 0, only the newest ``keep_last`` complete checkpoints stay (0 keeps all).
-    Returns the checkpoint's directory."""
+    Collective over the default process group (megatron's writer) and ``group`` (default:
+    every rank; the host group in the trainer) for the barriers. All ranks write into a
+    temporary directory, each model's DP x CP ranks sharing its writes; once all are done, rank
+    0 renames it into place and moves ``latest``. Then, with ``keep_last`` > 0, only the newest
+    ``keep_last`` complete checkpoints stay (0 keeps all). Returns the checkpoint's directory."""
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0 (0 keeps every checkpoint), got {keep_last}")
     root = Path(root)
@@ -245,14 +265,25 @@ def save_train_checkpoint(
     token = _from_rank0(secrets.token_hex(4), group)
     tmp = root / f"{step_dir_name(step)}.tmp-{token}"
     if rank == 0:
-        tmp.mkdir(parents=True)
+        for name in models:
+            (tmp / name / WEIGHTS).mkdir(parents=True)
+            (tmp / name / OPTIMIZER).mkdir()
     collectives.barrier(group)
-    own = _rank_file(rank)
-    _save(_rng_state(), tmp / "rng" / own)
+    _save(_rng_state(), tmp / "rng" / _rank_file(rank))
     for name, state in models.items():
-        _save(_model_state(state), tmp / name / own)
-        if state.weights_meta is not None:
-            _save_weights(state, tmp / name / WEIGHTS, step)
+        model_sd = _model_sharded_state(state)
+        # Built before the model's save, which applies its factories in place: the optimizer
+        # finds its parameters in the model's sharded state by tensor identity.
+        optimizer_sd = state.optimizer.sharded_state_dict(
+            model_sd, is_loading=False, metadata=_optimizer_metadata(state)
+        )
+        _dist_save(model_sd, tmp / name / WEIGHTS, state.dp_cp_group)
+        _dist_save(optimizer_sd, tmp / name / OPTIMIZER, state.dp_cp_group)
+        if rank == 0:
+            scheduler = None if state.scheduler is None else state.scheduler.state_dict()
+            _save(scheduler, tmp / name / SCHEDULER)
+            if state.weights_meta is not None:
+                _write_weights_meta(state.weights_meta, tmp / name / WEIGHTS, step)
     if rank == 0:
         _save(extra, tmp / EXTRA)
         meta = {
@@ -261,7 +292,11 @@ def save_train_checkpoint(
             "step": step,
             "world_size": world_size,
             "models": {
-                name: {"layout": state.layout, "weights": state.weights_meta is not None}
+                name: {
+                    "layout": state.layout,
+                    "optimizer_format": _optimizer_format(state),
+                    "weights": state.weights_meta is not None,
+                }
                 for name, state in models.items()
             },
         }
@@ -280,15 +315,17 @@ def load_train_checkpoint(
     step: int | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any] | None:
-    """Restore the models, optimizers, schedulers and this rank's RNG from checkpoint ``step``
-    (default: :func:`latest_step`); return the saved ``extra``, or None if there is none.
+    """Restore the models, optimizers, schedulers and (at the same world size) this rank's RNG
+    from checkpoint ``step`` (default: :func:`latest_step`); return the saved ``extra``, or None
+    if there is none.
 
-    Collective over ``group``. ValueError for an incomplete ``step``, other models, or another
-    layout or world size than the checkpoint's."""
+    Collective over the default process group and ``group``. Another DP or CP size loads
+    (dist_checkpointing reshards); another TP/PP loads with the plain optimizer or a
+    distributed one saved ``fully_reshardable``. ValueError for an incomplete ``step``, other
+    models, a layout the saved format cannot take, or a checkpoint of the old per-rank format."""
     root = Path(root)
-    rank = dist.get_rank(group)
     found: tuple[int | None, str | None] = (None, None)
-    if rank == 0:  # one rank reads the directory, so all agree (and warn once)
+    if dist.get_rank(group) == 0:  # one rank reads the directory, so all agree (and warn once)
         if step is None:
             found = (latest_step(root), None)
         elif step in complete_steps(root):
@@ -302,17 +339,26 @@ def load_train_checkpoint(
         return None
     directory = root / step_dir_name(chosen)
     meta = json.loads((directory / META).read_text())
-    _check_compatible(meta, models, dist.get_world_size(group), directory)
-    own = _rank_file(rank)
+    _check_compatible(meta, models, directory)
     for name, state in models.items():
-        _load_model_state(state, _load(directory / name / own))
-    _set_rng_state(_load(directory / "rng" / own))
+        _load_model(state, directory / name, meta["models"][name]["optimizer_format"])
+    world_size = dist.get_world_size(group)
+    if meta["world_size"] == world_size:
+        _set_rng_state(_load(directory / "rng" / _rank_file(dist.get_rank(group))))
+    elif dist.get_rank(group) == 0:
+        logger.warning(
+            "%s was saved by %d ranks, this run has %d: RNG states not restored (each rank "
+            "keeps its seeded state; training draws its randomness from per-step seeds)",
+            directory, meta["world_size"], world_size,
+        )  # fmt: skip
     return _load(directory / EXTRA)
 
 
 def _check_compatible(
-    meta: dict[str, Any], models: Mapping[str, TrainableState], world_size: int, directory: Path
+    meta: dict[str, Any], models: Mapping[str, TrainableState], directory: Path
 ) -> None:
+    if meta.get("format") == FORMAT and meta.get("format_version") == 1:
+        raise ValueError(_old_format_message(meta, directory))
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{directory}: format {meta.get('format')!r} version {meta.get('format_version')!r};"
@@ -323,35 +369,223 @@ def _check_compatible(
             f"{directory} holds models {sorted(meta['models'])}, this run trains "
             f"{sorted(models)}: resume with the same models, or start from exported weights"
         )
-    saved = {name: entry["layout"] for name, entry in meta["models"].items()}
-    current = json.loads(json.dumps({name: state.layout for name, state in models.items()}))
-    if meta["world_size"] != world_size or saved != current:
-        with_weights = [name for name, entry in meta["models"].items() if entry["weights"]]
-        export = (
-            f"export the weights (`tools/convert.py mcore-to-hf --ckpt {directory}/<model>/"
-            f"{WEIGHTS}`, models {with_weights}) and start from them instead"
-            if with_weights
-            else "this checkpoint has no reshardable weights to export (save with weights_meta)"
-        )
-        raise ValueError(
-            f"{directory} was saved with world size {meta['world_size']} and layouts {saved}; "
-            f"this run has world size {world_size} and layouts {current}. Resume state loads "
-            f"only at the same layout and world size: {export}"
-        )
+    for name, state in models.items():
+        saved = meta["models"][name]
+        fmt = saved["optimizer_format"]
+        current = json.loads(json.dumps(state.layout))
+        fixed = ["params_dtype", "distributed_optimizer"]
+        if fmt == "dp_reshardable":
+            fixed += ["tp", "pp", "vpp"]
+        differ = {
+            key: (saved["layout"].get(key), current.get(key))
+            for key in fixed
+            if saved["layout"].get(key) != current.get(key)
+        }
+        if differ:
+            hint = (
+                "resave it at its own layout with trainer.checkpoint_fully_reshardable=true "
+                "(resume there, then save), or export the weights and start from them"
+                if fmt == "dp_reshardable"
+                and not {"params_dtype", "distributed_optimizer"} & set(differ)
+                else "resume with the saved setting, or export the weights and start from them"
+            )
+            raise ValueError(
+                f"{directory}: {name} was saved with {{{_pairs(differ, 0)}}} and optimizer format "
+                f"{fmt!r}; this run has {{{_pairs(differ, 1)}}}, which that format cannot load: "
+                f"{hint}"
+            )
 
 
-def _save_weights(state: TrainableState, directory: Path, step: int) -> None:
-    """``models/checkpoint.py``'s format (what ``save_model_weights`` writes), with replica ids
-    from the model's own data x context group: with per-model groups, ``parallel_state``'s
-    may belong to the other model's layout."""
-    meta = state.weights_meta
-    meta = dataclasses.replace(meta, origin={**meta.origin, "train_step": step})
+def _pairs(differ: dict[str, tuple[Any, Any]], which: int) -> str:
+    return ", ".join(f"{key!r}: {values[which]!r}" for key, values in differ.items())
+
+
+def _old_format_message(meta: dict[str, Any], directory: Path) -> str:
+    with_weights = [name for name, entry in meta["models"].items() if entry.get("weights")]
+    if "policy" in with_weights:
+        way = (
+            f"export its policy with `python tools/convert.py mcore-to-hf --ckpt "
+            f"{directory}/policy/{WEIGHTS} --out HF_DIR` and start a new run from it "
+            "(`vapo-train RECIPE model.path=HF_DIR trainer.run_dir=NEW_DIR`)"
+        )
+    else:
+        way = (
+            "it has no exportable weights; continue it with the version that wrote it "
+            f"(`git checkout {OLD_FORMAT_COMMIT}`, then the same `vapo-train` command), or "
+            "let that version export the policy (trainer.export_hf=true) and start a new run "
+            "from it (`vapo-train RECIPE model.path=RUN_DIR/hf_policy trainer.run_dir=NEW_DIR`)"
+        )
+    return (
+        f"{directory} is a checkpoint of the old per-rank format (format_version 1: "
+        f"torch.save per rank, world size {meta.get('world_size')}), which this version no "
+        f"longer reads: {way}"
+    )
+
+
+def _optimizer_format(state: TrainableState) -> str:
+    """How the optimizer's state is laid out on disk: ``model_space`` (plain optimizer: one
+    tensor per parameter, reshardable anywhere), or the distributed optimizer's
+    ``dp_reshardable`` (its own buckets: another DP/CP only) / ``fully_reshardable``."""
+    if not state.layout.get("distributed_optimizer"):
+        return "model_space"
+    return "fully_reshardable" if state.fully_reshardable else "dp_reshardable"
+
+
+def _optimizer_metadata(state: TrainableState, fmt: str | None = None) -> dict[str, Any]:
+    # Without a sharding type megatron 0.16 picks fully_sharded_model_space, whose
+    # flattened_range tensors its own save path rejects.
+    metadata: dict[str, Any] = {"distrib_optim_sharding_type": fmt or _optimizer_format(state)}
+    if state.dp_cp_group is not None:
+        metadata["dp_cp_group"] = state.dp_cp_group
+    return metadata
+
+
+def _model_sharded_state(state: TrainableState) -> dict[str, Any]:
+    """Each chunk's ``sharded_state_dict`` under ``model{i}``, replica ids from the model's own
+    data x context group: with per-model groups, ``parallel_state``'s may belong to the other
+    model's layout (the same keys ``models/checkpoint.py`` writes, so ``weights/`` exports)."""
     metadata = None if state.dp_cp_group is None else {"dp_cp_group": state.dp_cp_group}
-    sharded = {
+    return {
         f"model{i}": unwrap_model(chunk).sharded_state_dict(metadata=metadata)
         for i, chunk in enumerate(state.chunks)
     }
-    save_sharded_state(sharded, directory, meta)
+
+
+def _dist_save(sharded: dict[str, Any], directory: Path, dp_cp_group: dist.ProcessGroup | None):
+    """``dist_checkpointing.save`` into the (empty) ``directory``, each replicated shard written
+    once, by one of the model's DP x CP ranks chosen to balance the bytes."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    strategy = FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(), dp_cp_group or dist.group.WORLD
+    )
+    with in_process_write_results():
+        dist_checkpointing.save(sharded, str(directory), strategy)
+
+
+def _dist_load(
+    sharded: dict[str, Any], directory: Path, dp_cp_group: dist.ProcessGroup | None
+) -> dict[str, Any]:
+    """``dist_checkpointing.load``; any key the model asks for that the checkpoint lacks, or
+    the other way round, raises. On GPU each shard is read once over the model's DP x CP ranks
+    and exchanged over that (NCCL) group; megatron-core 0.16's exchange stages on CUDA
+    whatever the group's backend, so on gloo every rank reads what it needs itself."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    strategy = get_default_load_sharded_strategy(str(directory))
+    if collectives.group_device(dp_cp_group).type == "cuda":
+        strategy = FullyParallelLoadStrategyWrapper(strategy, dp_cp_group or dist.group.WORLD)
+    return dist_checkpointing.load(
+        sharded, str(directory), strategy, strict=StrictHandling.RAISE_ALL
+    )
+
+
+def _load_model(state: TrainableState, directory: Path, fmt: str) -> None:
+    for opt in _sub_optimizers(state.optimizer):
+        _give_fresh_state_a_step(opt)
+    model_sd = _model_sharded_state(state)
+    # is_loading=True: without it the loaded state holds no Adam moments (AReaL #1468). Built
+    # before the model's load, for the same tensor-identity reason as in the save.
+    optimizer_sd = state.optimizer.sharded_state_dict(
+        model_sd, is_loading=True, metadata=_optimizer_metadata(state, fmt)
+    )
+    # Model weights first, main params after: bf16 weights are a rounding of the fp32 main
+    # params, and megatron's reload_model_params() would copy the wrong way.
+    loaded = _dist_load(model_sd, directory / WEIGHTS, state.dp_cp_group)
+    for i, chunk in enumerate(state.chunks):
+        unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+    loaded = _dist_load(optimizer_sd, directory / OPTIMIZER, state.dp_cp_group)
+    subs = _sub_optimizers(state.optimizer)
+    if len(subs) > 1:  # ChainedOptimizer's sharded state: one entry per sub-optimizer
+        parts = [loaded[key] for key in sorted(loaded)]
+    else:
+        parts = [loaded]
+    for opt, part in zip(subs, parts, strict=True):
+        _load_optimizer(opt, part)
+    scheduler = _load(directory / SCHEDULER)
+    if (state.scheduler is None) != (scheduler is None):
+        raise ValueError(
+            "the checkpoint has a scheduler state but this model has no scheduler, or the "
+            "other way round: configure the scheduler as in the saved run"
+        )
+    if state.scheduler is not None:
+        state.scheduler.load_state_dict(scheduler)
+
+
+def _load_optimizer(opt: MegatronOptimizer, loaded: dict[str, Any]) -> None:
+    """``opt.load_state_dict(loaded)``, around two megatron-core 0.16 bugs of the distributed
+    optimizer with torch's Adam: its ``load_state_dict`` gives every parameter one shared
+    ``step`` tensor (torch's Adam then increments it once per parameter: wrong bias correction),
+    and its parameter-state loaders copy into every state key, ``step`` included, which the
+    fully reshardable format does not hold (KeyError) and the DP-reshardable one holds as this
+    rank's stale pre-load value. So: the parameter-free part first, then the parameter state
+    with ``step`` set aside, then one ``step`` per parameter."""
+    if not isinstance(opt, DistributedOptimizer):
+        opt.load_state_dict(loaded)  # one deep copy of the common step per parameter
+        return
+    param_state = loaded.pop("param_state")
+    fmt = loaded.pop("param_state_sharding_type")
+    opt.load_state_dict(loaded)
+    inner = opt.optimizer.state
+    steps = {param: entry.pop("step") for param, entry in inner.items() if "step" in entry}
+    with torch.no_grad():  # copies into the fp32 main params, which are leaves with grad
+        if fmt == "dp_reshardable":
+            for entry in _nested_dicts_with(param_state, "padding"):
+                entry.pop("step", None)
+            opt.load_parameter_state_from_dp_reshardable(param_state)
+        elif fmt == "fully_reshardable":
+            opt.load_parameter_state_from_fully_reshardable(param_state)
+        else:
+            raise ValueError(f"unknown distributed optimizer format {fmt!r} in the checkpoint")
+    for param, step in steps.items():
+        inner[param]["step"] = step.detach().clone()
+    if steps:  # torch's Adam counts in its state; megatron's copy in the groups would go stale
+        for group in opt.optimizer.param_groups:
+            group.pop("step", None)
+
+
+def _give_fresh_state_a_step(opt: MegatronOptimizer) -> None:
+    """The distributed optimizer's ``state_dict`` (which its loading sharded state starts from)
+    reads torch Adam's per-parameter ``step``, which a fresh optimizer (no state before its
+    first step) lacks: it gets megatron's initial moments and a zero step, one per parameter.
+    (Transformer Engine's and Apex's Adam keep the step in the parameter groups.)"""
+    if not isinstance(opt, DistributedOptimizer) or not isinstance(
+        opt.optimizer, torch.optim.Adam | torch.optim.AdamW
+    ):
+        return
+    if opt.init_state_fn is not None:
+        opt.init_state_fn(opt.optimizer, opt.config)
+    for group in opt.optimizer.param_groups:
+        for param in group["params"]:
+            state = opt.optimizer.state[param]
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=HOST)
+
+
+def _nested_dicts_with(tree: Any, key: str) -> list[dict[str, Any]]:
+    if isinstance(tree, dict):
+        found = [tree] if key in tree else []
+        return found + [d for value in tree.values() for d in _nested_dicts_with(value, key)]
+    if isinstance(tree, list | tuple):
+        return [d for value in tree for d in _nested_dicts_with(value, key)]
+    return []
+
+
+def _write_weights_meta(meta: CheckpointMetadata, directory: Path, step: int) -> None:
+    """``vapo_checkpoint.json`` next to the weights: ``tools/convert.py mcore-to-hf`` exports
+    them (the same keys ``models/checkpoint.py::save_model_weights`` writes)."""
+    meta = dataclasses.replace(meta, origin={**meta.origin, "train_step": step})
+    text = json.dumps(dataclasses.asdict(meta), indent=2, sort_keys=True) + "\n"
+    (directory / METADATA_NAME).write_text(text)
 
 
 def _from_rank0(value: Any, group: dist.ProcessGroup | None) -> Any:
@@ -389,44 +623,6 @@ def _sub_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     if isinstance(optimizer, ChainedOptimizer):
         return list(optimizer.chained_optimizers)
     return [optimizer]
-
-
-def _stepped_params(optimizer: MegatronOptimizer) -> list[torch.Tensor]:
-    """The tensors the inner torch optimizer updates: fp32 main params or their shards."""
-    return [p for group in optimizer.optimizer.param_groups for p in group["params"]]
-
-
-def _model_state(state: TrainableState) -> dict[str, Any]:
-    return {
-        "chunks": [_cpu_copy(chunk.state_dict()) for chunk in state.chunks],
-        "optimizers": [
-            {
-                "torch_optimizer": _cpu_copy(opt.optimizer.state_dict()),
-                "main_params": _cpu_copy(_stepped_params(opt)),
-            }
-            for opt in _sub_optimizers(state.optimizer)
-        ],
-        "scheduler": None if state.scheduler is None else state.scheduler.state_dict(),
-    }
-
-
-def _load_model_state(state: TrainableState, saved: dict[str, Any]) -> None:
-    # Model weights first, main params after: bf16 weights are a rounding of the fp32 main
-    # params, and megatron's reload_model_params() would copy the wrong way.
-    for chunk, chunk_state in zip(state.chunks, saved["chunks"], strict=True):
-        chunk.load_state_dict(chunk_state, strict=True)
-    for opt, opt_state in zip(_sub_optimizers(state.optimizer), saved["optimizers"], strict=True):
-        with torch.no_grad():
-            for param, value in zip(_stepped_params(opt), opt_state["main_params"], strict=True):
-                param.copy_(value)
-        opt.optimizer.load_state_dict(opt_state["torch_optimizer"])
-    if (state.scheduler is None) != (saved["scheduler"] is None):
-        raise ValueError(
-            "the checkpoint has a scheduler state but this model has no scheduler, or the "
-            "other way round: configure the scheduler as in the saved run"
-        )
-    if state.scheduler is not None:
-        state.scheduler.load_state_dict(saved["scheduler"])
 
 
 def _rng_state() -> dict[str, Any]:
