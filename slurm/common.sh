@@ -13,6 +13,9 @@
 #   NODES            nodes; under Slurm the allocation decides (sbatch --nodes=N) and must agree
 #   GPUS_PER_NODE    GPUs (= tasks) per node
 #   GPU_TYPE         h100-80gb | h200-141gb (the dry run's memory plan)
+#   CPUS_PER_TASK    cores per rank (srun --cpus-per-task); default: the job's --cpus-per-task
+#   HF_MODEL_ID      Hugging Face id of model.path, for the download command the dry run prints
+#   REWARD_MODEL_ID  Hugging Face id of a public reward model for critic.init_path (same)
 #   MODEL_PRESET     planner preset when model.path is not on this machine (dry run)
 #   CONTAINER_IMAGE  pyxis/enroot image (a .sqsh or nvcr.io#...); "none": run on the host
 #   BASE_IMAGE       NGC PyTorch image BUILD_IMAGE=1 starts from (PyTorch, Transformer Engine, apex)
@@ -21,7 +24,9 @@
 #   LOG_ROOT         per-job, per-node logs: LOG_ROOT/JOBID/attempt-N/NODE.log
 #   MAX_REQUEUES     stop requeueing after this many restarts
 #   PREFLIGHT        1: check the recipe against the world size (tools/plan.py) before launching
-#   DRY_RUN          1: print the resolved commands, environment and layout, validate, start nothing
+#   DRY_RUN          1: print the resolved commands, environment and layout, check the inputs
+#                    (slurm/check_inputs.py: data, model, checkpoints; one line per missing piece
+#                    with the command that makes it) and the plan (tools/plan.py), start nothing
 #   BUILD_IMAGE      1: build CONTAINER_IMAGE from BASE_IMAGE with the project installed, then exit
 #
 # Launch: one Slurm task per GPU (srun --ntasks-per-node=GPUS_PER_NODE), each task one trainer
@@ -41,6 +46,11 @@ vapo_defaults() {
     : "${GPUS_PER_NODE:=8}"
     : "${NODES:=${SLURM_JOB_NUM_NODES:-1}}"
     : "${GPU_TYPE:=h100-80gb}"
+    # srun no longer inherits sbatch's --cpus-per-task (Slurm >= 22.05): pass it explicitly, or
+    # each rank may be bound to one core shared by vLLM's scheduler, grading and data handling.
+    : "${CPUS_PER_TASK:=${SLURM_CPUS_PER_TASK:-12}}"
+    : "${HF_MODEL_ID:=HF_MODEL_ID}"
+    : "${REWARD_MODEL_ID:=}"
     : "${MODEL_PRESET:=}"
     : "${BASE_IMAGE:=nvcr.io#nvidia/pytorch:25.04-py3}"
     : "${CONTAINER_IMAGE:=$VAPO_REPO/containers/vapo-megatron.sqsh}"
@@ -131,11 +141,17 @@ vapo_commands() {
     [[ -n "$MODEL_PRESET" ]] && PLAN_CMD+=(--model "$MODEL_PRESET")
     local item
     for item in "${OVERRIDES[@]}"; do PLAN_CMD+=(--set "$item"); done
+    CHECK_CMD=("$PYTHON" slurm/check_inputs.py "$RECIPE" "${OVERRIDES[@]}"
+        --hf-model "$HF_MODEL_ID")
+    [[ -n "$REWARD_MODEL_ID" ]] && CHECK_CMD+=(--reward-model "$REWARD_MODEL_ID")
     SRUN_CMD=(srun --nodes="$NODES" --ntasks-per-node="$GPUS_PER_NODE" --gpu-bind=none
-        --kill-on-bad-exit=1 --label --chdir="$VAPO_REPO" --output="$LOG_DIR/%N.log"
+        --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 --label --chdir="$VAPO_REPO" --output="$LOG_DIR/%N.log"
         "${CONTAINER_ARGS[@]}" bash -c "$VAPO_RANK_WRAPPER" vapo-rank "${TRAIN_CMD[@]}")
-    PREFLIGHT_CMD=(srun --nodes=1 --ntasks=1 --chdir="$VAPO_REPO" "${CONTAINER_ARGS[@]}"
-        "${PLAN_CMD[@]}")
+    # The inputs are checked again on a compute node: it may see other file systems.
+    local one_task=(srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS_PER_TASK"
+        --chdir="$VAPO_REPO" "${CONTAINER_ARGS[@]}")
+    PREFLIGHT_CHECK_CMD=("${one_task[@]}" "${CHECK_CMD[@]}")
+    PREFLIGHT_CMD=("${one_task[@]}" "${PLAN_CMD[@]}")
 }
 
 vapo_print() {
@@ -150,6 +166,9 @@ vapo_print() {
     done
     echo "-- launch (one task per GPU)"
     printf '%q ' "${SRUN_CMD[@]}"
+    echo
+    echo "-- inputs check"
+    printf '%q ' "${CHECK_CMD[@]}"
     echo
     echo "-- layout check and memory plan"
     printf '%q ' "${PLAN_CMD[@]}"
@@ -169,6 +188,7 @@ vapo_launch() {
     mkdir -p "$LOG_DIR"
     echo "job ${SLURM_JOB_ID:-?} attempt $ATTEMPT: logs in $LOG_DIR"
     if [[ "$PREFLIGHT" == 1 ]]; then
+        "${PREFLIGHT_CHECK_CMD[@]}" || return 2
         "${PREFLIGHT_CMD[@]}" || return 2
     fi
     VAPO_REQUEUE=0
@@ -209,8 +229,14 @@ vapo_main() {
     fi
     vapo_print
     if [[ "$DRY_RUN" == 1 ]]; then
+        echo "-- inputs"
+        "${CHECK_CMD[@]}"
+        local inputs=$?
+        echo "-- plan"
         "${PLAN_CMD[@]}"
-        return $?
+        local plan=$?
+        ((inputs == 0)) || echo "dry run: inputs missing (MISSING/BAD lines above)" >&2
+        return $((plan != 0 ? plan : inputs))
     fi
     if [[ -z "${SLURM_JOB_ID:-}" ]]; then
         echo "not inside a Slurm job: submit with sbatch, or set DRY_RUN=1" >&2

@@ -28,6 +28,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 : "${MODEL_PRESET:=qwen2.5-7b}"
 [[ -n "${SLURM_JOB_ID:-}" ]] || : "${NODES:=1}"
 : "${GPUS_PER_NODE:=8}"
+: "${HF_MODEL_ID:=Qwen/Qwen2.5-7B}"
 # shellcheck source=slurm/common.sh
 source "$here/common.sh"
 vapo_main "$@"

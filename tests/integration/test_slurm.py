@@ -7,6 +7,7 @@ with Slurm's task variables, so the line from the sbatch script through the rank
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,9 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.trainer_runs import make_assets, read_metrics
 from tests.launcher import REPO_ROOT
+from vapo_megatron.models import checkpoint as mckpt
+from vapo_megatron.models import hf_io
 from vapo_megatron.parallel.local_launch import free_port
 
 pytestmark = pytest.mark.integration
@@ -43,24 +47,90 @@ def last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, str]:
+    """Everything a dry run checks, in place: the tiny model (config, tokenizer) and its data,
+    and policy / critic checkpoint directories carrying their vapo_checkpoint.json."""
+    root = tmp_path_factory.mktemp("inputs")
+    assets = make_assets(root / "assets")
+    hf_config = hf_io.read_config(assets["model.path"])
+    for name, head in (("policy", "lm"), ("critic", "value")):
+        meta = mckpt.make_metadata(hf_config, head=head, tp=8, pp=1, dtype=torch.bfloat16)
+        (root / name).mkdir()
+        (root / name / mckpt.METADATA_NAME).write_text(json.dumps(dataclasses.asdict(meta)))
+    return {"MODEL_PATH": assets["model.path"], "TRAIN_DATA": assets["data.train_path"],
+            "EVAL_DATA": assets["data.eval_path"], "POLICY_LOAD": str(root / "policy"),
+            "CRITIC_INIT": str(root / "critic")}  # fmt: skip
+
+
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_dry_run_prints_and_validates(script: str) -> None:
+def test_dry_run_prints_and_validates(script: str, inputs: dict[str, str]) -> None:
     world, preset = SCRIPTS[script]
-    done = subprocess.run(["bash", str(SLURM / script)], env=clean_env(DRY_RUN="1"),
+    done = subprocess.run(["bash", str(SLURM / script)], env=clean_env(DRY_RUN="1", **inputs),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert f"= {world} ranks" in out
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in out and "NCCL_IB_TIMEOUT=" in out
     assert "srun --nodes=" in out and "--ntasks-per-node=8" in out
+    assert "--cpus-per-task=12" in out  # srun does not inherit it from sbatch (Slurm >= 22.05)
     assert "--container-image=" in out and "-m vapo_megatron.train" in out
     assert f"--model {preset}" in out
+    # The inputs: each one found, the data loaded by the trainer's loader with its row counts.
+    assert f"ok       model.path={inputs['MODEL_PATH']}: qwen2, " in out
+    assert f"ok       data.train_path={inputs['TRAIN_DATA']}: 400 rows, 0 duplicates" in out
+    assert f"ok       data.eval_path={inputs['EVAL_DATA']}: 40 rows" in out
+    assert f"ok       policy.load={inputs['POLICY_LOAD']}: Qwen2ForCausalLM, saved at tp 8" in out
+    assert f"ok       critic.init_path={inputs['CRITIC_INIT']}: Qwen2ForSequenceClass" in out
+    assert "MISSING" not in out and "BAD" not in out
     summary = last_json(out)
     assert summary["fits"] is True
     policy = summary["layout"]["policy"]
     assert policy["tp"] * policy["pp"] * policy["cp"] * policy["dp"] == world
     assert "rollout_tp" in summary["layout"]
     assert "vLLM TP" in out and "tp" in out
+
+
+def test_dry_run_names_each_missing_input_with_the_command_that_makes_it(tmp_path) -> None:
+    paths = {"MODEL_PATH": tmp_path / "Qwen2.5-32B", "TRAIN_DATA": tmp_path / "dapo.parquet",
+             "EVAL_DATA": tmp_path / "aime.parquet", "POLICY_LOAD": tmp_path / "policy-tp8",
+             "CRITIC_INIT": tmp_path / "rm-tp8"}  # fmt: skip
+    env = clean_env(DRY_RUN="1", **{k: str(v) for k, v in paths.items()})
+    done = subprocess.run(["bash", str(SLURM / "vapo_qwen32b.sh")], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stdout[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("MISSING")]
+    model, train, eval_, policy, critic = (str(p) for p in paths.values())
+    assert lines == [
+        f"MISSING  model.path={model}: no config.json; download it: "
+        f"hf download Qwen/Qwen2.5-32B --local-dir {model}",
+        f"MISSING  data.train_path={train}: python tools/prepare_data.py dapo-math-17k "
+        f"--source BytedTsinghua-SIA/DAPO-Math-17k --out {train}",
+        f"MISSING  data.eval_path={eval_}: python tools/prepare_data.py aime-2024 "
+        f"--source BytedTsinghua-SIA/AIME-2024 --out {eval_}",
+        f"MISSING  policy.load={policy}: python tools/convert.py hf-to-mcore --hf {model} "
+        f"--out {policy} --tp 8 --pp 1",
+        lines[-1],
+    ]
+    assert lines[-1].startswith(f"MISSING  critic.init_path={critic}: hf download "
+                                "nvidia/Qwen-2.5-Nemotron-32B-Reward --local-dir ")  # fmt: skip
+    assert "--critic-from reward-model" in lines[-1] and "--critic-from policy" in lines[-1]
+    assert "inputs missing" in done.stderr
+    assert last_json(done.stdout)["fits"] is True  # the plan is still printed
+
+
+def test_dry_run_refuses_checkpoints_of_the_wrong_kind(inputs: dict[str, str]) -> None:
+    swapped = dict(inputs, POLICY_LOAD=inputs["CRITIC_INIT"], CRITIC_INIT=inputs["POLICY_LOAD"])
+    done = subprocess.run(["bash", str(SLURM / "vapo_qwen7b_1node.sh")],
+                          env=clean_env(DRY_RUN="1", SLURM_CPUS_PER_TASK="16", **swapped),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    out = done.stdout
+    assert f"BAD      policy.load={inputs['CRITIC_INIT']}: " in out
+    assert "this is a critic checkpoint" in out
+    assert f"BAD      critic.init_path={inputs['POLICY_LOAD']}: " in out
+    assert "this is a policy checkpoint" in out
+    assert "--cpus-per-task=16" in out  # the job's value, when sbatch set one
 
 
 def test_dry_run_refuses_a_world_the_recipe_cannot_use() -> None:

@@ -379,14 +379,15 @@ class TrainConfig:
             raise ValueError(f"trainer.keep_last must be >= 1, got {trainer.keep_last}")
 
 
-def critic_start_help(config: TrainConfig) -> str:
+def critic_start_help(config: TrainConfig, *, rm_dir: str = "RM_DIR") -> str:
     """The two ways to give the critic a start, as commands for this recipe's model and layout
-    (the paper's own reward model is not public; docs/cluster.md lists public ones)."""
+    (the paper's own reward model is not public; docs/cluster.md lists public ones). ``rm_dir``:
+    the HF directory of the reward model, where known."""
     path, layout = config.critic.init_path, config.critic.layout
     convert = f"python tools/convert.py hf-to-mcore --tp {layout.tp} --pp {layout.pp}"
     return (
         f"either convert a reward model of the policy's architecture "
-        f"(a one-label *ForSequenceClassification): `{convert} --hf RM_DIR --out {path} "
+        f"(a one-label *ForSequenceClassification): `{convert} --hf {rm_dir} --out {path} "
         f"--critic-from reward-model`; or start the critic from the policy: `{convert} --hf "
         f"{config.model.path} --out CRITIC_DIR --critic-from policy` with "
         "algorithm.critic_init=policy critic.init_path=CRITIC_DIR (value pretraining then starts "
