@@ -1,0 +1,122 @@
+"""Worker: a training checkpoint saved at one layout resumes at another, and the following steps
+stay close to the uninterrupted run.
+
+``save`` (2 ranks), per case: train policy and critic 2 steps from HF weights, save, train 2
+more steps; rank 0 writes what the uninterrupted run did in steps 3-4 (gradient norms, learning
+rates, the HF weights after step 4) to ``<case>/reference.pt``. ``load`` (1 rank): fresh engines
+at DP1 TP1 from other random weights load the checkpoint, train steps 3-4, and compare.
+
+Cases: ``DP2`` (distributed optimizer, default ``dp_reshardable`` format, loaded at DP1),
+``TP2-full`` (distributed optimizer saved ``fully_reshardable``, loaded at TP1), ``TP2-plain``
+(plain optimizer, state per parameter, loaded at TP1). Not bit-exact: the gradient of the same
+global batch is summed in another order (one rank's micro-batches instead of an all-reduce over
+two; whole matrices instead of TP halves), about 1 ulp of fp32 per reduction; Adam divides by
+sqrt(v) + eps, so the relative differences of the updates stay of that order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed.workers.train_checkpoint_worker import Run
+from tests.distributed.workers.train_step_worker import make_samples, make_weights
+from vapo_megatron.models.provider import ModelLayout
+from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
+from vapo_megatron.trainer.checkpointing import load_train_checkpoint, save_train_checkpoint
+
+CASES = {  # name: (saved layout, distributed optimizer, fully_reshardable)
+    "DP2": (ModelLayout(), True, False),
+    "TP2-full": (ModelLayout(tp=2), True, True),
+    "TP2-plain": (ModelLayout(tp=2), False, False),
+}
+GRAD_NORM_RTOL = 1e-5
+"""fp32 sums in another order: ~1e-7 relative per reduction, a few reductions deep."""
+WEIGHT_ATOL = 1e-6
+"""Two Adam steps of lr 1e-3 whose update directions differ by ~1e-5 relative at most."""
+
+
+def record(run: Run) -> dict[str, list[float]]:
+    """Gradient norms and learning rates of one step of both models."""
+    out = run.train_step()
+    steps = [entry for entry in out if "grad_norm" in entry]
+    return {
+        "grad_norm": [float(s["grad_norm"]) for s in steps],
+        "lr": [float(s["lr"]) for s in steps],
+    }
+
+
+def hf_weights(run: Run) -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        name: {k: v.detach().clone() for k, v in engine.hf_weights()}
+        for name, engine in run.engines.items()
+    }
+
+
+def make_run(case: str, *, layout: ModelLayout, hf_sds, samples) -> Run:
+    _, distopt, fully_reshardable = CASES[case]
+    run = Run(layout, distopt, torch.float32, hf_sds, samples, with_weights=False)
+    run.states = {
+        name: dataclasses.replace(state, fully_reshardable=fully_reshardable)
+        for name, state in run.states.items()
+    }
+    return run
+
+
+def save_phase(root: Path, samples, hf_sds) -> None:
+    for case, (layout, _, _) in CASES.items():
+        run = make_run(case, layout=layout, hf_sds=hf_sds, samples=samples)
+        for _ in (1, 2):
+            run.train_step()
+        save_train_checkpoint(root / case, 2, run.states, {"step": 2}, keep_last=1)
+        steps = [record(run) for _ in (3, 4)]
+        weights = hf_weights(run)
+        if dist.get_rank() == 0:
+            torch.save({"steps": steps, "weights": weights}, root / case / "reference.pt")
+        dist.barrier()
+
+
+def load_phase(root: Path, samples) -> None:
+    torch.manual_seed(1234)  # other random weights than the saved ones
+    for case in CASES:
+        run = make_run(case, layout=ModelLayout(), hf_sds=None, samples=samples)
+        assert load_train_checkpoint(root / case, run.states) == {"step": 2}
+        steps = [record(run) for _ in (3, 4)]
+        weights = hf_weights(run)
+        want = torch.load(root / case / "reference.pt")
+        grad_rel = 0.0
+        for got_step, want_step in zip(steps, want["steps"], strict=True):
+            assert got_step["lr"] == want_step["lr"], (case, got_step, want_step)
+            for g, w in zip(got_step["grad_norm"], want_step["grad_norm"], strict=True):
+                grad_rel = max(grad_rel, abs(g - w) / abs(w))
+        weight_abs = 0.0
+        for model, tensors in want["weights"].items():
+            assert sorted(weights[model]) == sorted(tensors), model
+            for key, tensor in tensors.items():
+                weight_abs = max(weight_abs, float((weights[model][key] - tensor).abs().max()))
+        assert grad_rel <= GRAD_NORM_RTOL, f"{case}: grad norms differ by {grad_rel:.2e} relative"
+        assert weight_abs <= WEIGHT_ATOL, f"{case}: weights differ by {weight_abs:.2e}"
+        print(
+            f"{case} -> DP1 TP1: steps 3-4 grad norms within {grad_rel:.1e} relative, weights "
+            f"within {weight_abs:.1e}"
+        )
+
+
+def main() -> None:
+    phase, root = sys.argv[1], Path(sys.argv[2])
+    policy_sd, critic_sd = make_weights()
+    samples = make_samples(policy_sd)
+    initialize_megatron_cpu()
+    if phase == "save":
+        save_phase(root, samples, {"policy": policy_sd, "critic": critic_sd})
+    else:
+        load_phase(root, samples)
+    destroy()
+
+
+if __name__ == "__main__":
+    main()
