@@ -18,17 +18,22 @@ from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.group_advantages import group_normalized_advantages
 
 
-def terminal_rewards(rewards: Sequence[float], offsets: torch.Tensor) -> torch.Tensor:
+def terminal_rewards(
+    rewards: Sequence[float] | torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
     """[N] zeros with rewards[i] at sample i's last response token (offsets: [S + 1])."""
     flat = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=offsets.device)
     if (offsets.diff() < 1).any():
         raise ValueError("every sample needs at least one response token to carry its reward")
-    flat[offsets[1:] - 1] = torch.tensor(list(rewards), dtype=torch.float32, device=offsets.device)
+    flat[offsets[1:] - 1] = torch.as_tensor(rewards, dtype=torch.float32, device=offsets.device)
     return flat
 
 
 def gae_advantages(
-    algo: AlgoConfig, rewards: Sequence[float], values: torch.Tensor, offsets: torch.Tensor
+    algo: AlgoConfig,
+    rewards: Sequence[float] | torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(advantages [N], returns [N], lambda_policy [S]) from the critic's values [N]."""
     flat_rewards = terminal_rewards(rewards, offsets)
@@ -37,7 +42,7 @@ def gae_advantages(
 
 
 def monte_carlo_returns(
-    rewards: Sequence[float], values: torch.Tensor, offsets: torch.Tensor
+    rewards: Sequence[float] | torch.Tensor, values: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
     """Critic-pretraining targets: returns with lambda = gamma = 1 (the Monte-Carlo return)."""
     mc = AlgoConfig(
@@ -49,11 +54,11 @@ def monte_carlo_returns(
 
 
 def group_advantages(
-    algo: AlgoConfig, rewards: Sequence[float], offsets: torch.Tensor
+    algo: AlgoConfig, rewards: Sequence[float] | torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
     """[N]: each sample's group-normalised reward on all of its tokens (GRPO / DAPO)."""
     per_sample = group_normalized_advantages(
-        torch.tensor(list(rewards), dtype=torch.float32, device=offsets.device),
+        torch.as_tensor(rewards, dtype=torch.float32, device=offsets.device),
         algo.samples_per_prompt,
         scale_by_std=algo.group_scale_by_std,
     )  # fmt: skip

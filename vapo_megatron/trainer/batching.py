@@ -1,6 +1,7 @@
 """The step's samples -> this rank's micro-batches for one model.
 
-Every rank holds the whole step's samples (``Trajectory`` lists are identical everywhere).
+Every rank holds the whole step's token ids in flat buffers (``Ragged``: values + offsets,
+identical everywhere); only the samples a rank packs become Python lists.
 A model's data-parallel rank takes its share, balanced by token count; its context-parallel
 ranks split each micro-batch's sequences (``data/packing.py``). Per-token results come back
 through a ``flat_index`` field: the position of each response token in the step's flat
@@ -19,6 +20,61 @@ from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.devices import HOST
 
 FLAT_INDEX = "flat_index"
+
+
+class Ragged:
+    """Variable-length rows in one flat tensor: row i is values[offsets[i]:offsets[i + 1]].
+
+    values: [N]; offsets: [R + 1] int64 (0, ..., N), both on the host. Indexing gives a row
+    as a Python list (what ``data/packing.Sample`` holds), so only the rows a rank packs are
+    ever converted; ``lengths()`` reads the row lengths without touching the values.
+    """
+
+    def __init__(self, values: torch.Tensor, offsets: torch.Tensor) -> None:
+        if values.dim() != 1 or offsets.dim() != 1 or int(offsets[-1]) != values.numel():
+            raise ValueError(
+                f"Ragged needs 1-D values [N] and offsets [R + 1] ending at N; got values "
+                f"{tuple(values.shape)}, offsets {tuple(offsets.shape)} ending at "
+                f"{int(offsets[-1]) if offsets.numel() else None}"
+            )
+        self.values, self.offsets = values, offsets
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    def __getitem__(self, i: int) -> list:
+        return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])].tolist()
+
+    def lengths(self) -> torch.Tensor:
+        """[R] int64 row lengths."""
+        return self.offsets.diff()
+
+    def select(self, rows: torch.Tensor) -> Ragged:
+        """Rows ``rows`` ([K] int64, any order, repeats allowed) as a new Ragged."""
+        return Ragged(
+            self.values[gather_index(self.offsets, rows)], select_offsets(self.offsets, rows)
+        )
+
+
+def select_offsets(offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[K + 1] offsets of rows ``rows`` of a flat buffer with offsets [R + 1], laid end to end."""
+    return torch.nn.functional.pad(offsets.diff()[rows].cumsum(0), (1, 0))
+
+
+def gather_index(offsets: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[M] flat positions of rows ``rows`` of a buffer with offsets [R + 1], row after row."""
+    lengths = offsets.diff()[rows]
+    new = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    total = int(new[-1])
+    shift = torch.repeat_interleave(offsets[rows] - new[:-1], lengths, output_size=total)
+    return shift + torch.arange(total, dtype=torch.long, device=offsets.device)
+
+
+def row_lengths(rows: Sequence) -> list[int]:
+    """Lengths of rows given as a Ragged or as a sequence of lists."""
+    if isinstance(rows, Ragged):
+        return rows.lengths().tolist()
+    return [len(r) for r in rows]
 
 
 def response_offsets(lengths: Sequence[int]) -> torch.Tensor:

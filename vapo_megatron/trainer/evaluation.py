@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import torch
-
 from vapo_megatron.trainer.rollout_phase import RolloutStats, generate_and_grade, sampling_seed
 
 EVAL_SEED_OFFSET = 7_777_777
@@ -41,19 +39,17 @@ def evaluate(session, step: int, prompts: Sequence | None = None) -> dict[str, f
     )  # fmt: skip
     session.rollout.sleep()
     k = ev.k
-    groups = [trajectories[i : i + k] for i in range(0, len(trajectories), k)]
-    accs = [t.acc for t in trajectories]
+    per_prompt = trajectories.acc.view(-1, k).mean(1)  # [prompts] float64
+    num_groups = per_prompt.numel()
     # Standard error of avg@k over prompts: the spread of per-prompt accuracies / sqrt(prompts).
-    per_prompt = torch.tensor(
-        [sum(t.acc for t in g) / len(g) for g in groups], dtype=torch.float64, device="cpu"
-    )
-    stderr = per_prompt.std().item() / math.sqrt(len(groups)) if len(groups) > 1 else float("nan")
+    stderr = per_prompt.std().item() / math.sqrt(num_groups) if num_groups > 1 else float("nan")
+    num_samples = max(len(trajectories), 1)
     return {
-        f"avg@{k}": sum(accs) / max(len(accs), 1),
+        f"avg@{k}": trajectories.acc.sum().item() / num_samples,
         f"avg@{k}/stderr": stderr,
-        f"pass@{k}": sum(any(t.acc > 0 for t in g) for g in groups) / max(len(groups), 1),
-        "response_length/mean": sum(len(t.response) for t in trajectories) / max(len(accs), 1),
-        "num_prompts": float(len(groups)),
+        f"pass@{k}": (trajectories.acc.view(-1, k) > 0).any(1).sum().item() / max(num_groups, 1),
+        "response_length/mean": int(trajectories.responses.offsets[-1]) / num_samples,
+        "num_prompts": float(num_groups),
         "grader_errors": float(stats.grader_errors),
         "grader_timeouts": float(stats.grader_timeouts),
         "seconds": stats.generate_seconds + stats.reward_seconds,

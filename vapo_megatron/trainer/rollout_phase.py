@@ -1,8 +1,9 @@
 """Rollout, reward and sample selection: the step's prompts -> graded trajectories.
 
 The world's ranks form ``world / rollout TP`` vLLM engine replicas; replica r generates for
-its contiguous share of the step's prompt groups, grades its own responses, and one gather
-gives every rank the whole step's trajectories in group order. Sampling seeds depend on
+its contiguous share of the step's prompt groups, grades its own responses, and tensor
+gathers over the gloo host group (token ids, log-probs, one metadata row per sample; nothing
+pickled) give every rank the whole step's trajectories in group order. Sampling seeds depend on
 (seed, step, round, replica) only: reproducible, and different for every replica.
 Dynamic sampling (DAPO) keeps only groups whose *accuracies* differ (not the shaped score),
 sampling more rounds until the step is full or ``max_rounds`` is reached.
@@ -22,30 +23,81 @@ from vapo_megatron.algorithms.group_advantages import soft_overlong_penalty
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rewards.registry import score_responses
+from vapo_megatron.trainer.batching import Ragged, gather_index, select_offsets
+
+# Per-sample metadata travels as one float64 row per sample (integers are exact below 2^53).
+META_FIELDS = ("group", "prompt_index", "prompt_len", "response_len", "truncated", "score", "acc")
 
 
 @dataclass
-class Trajectory:
-    """One sampled response and its grade; identical on every rank after the gather."""
+class Trajectories:
+    """The step's sampled responses and their grades as flat host tensors (no Python objects
+    per sample); identical on every rank after the gather. S samples, P prompt and N response
+    tokens in all; samples of one prompt group are consecutive."""
 
-    group: int
-    """Index of its prompt group in the step (samples of one prompt are consecutive)."""
-    prompt_index: int
-    """Row of the prompt in the training set."""
-    prompt: list[int]
-    """Prompt token ids."""
-    response: list[int]
-    """Response token ids (ends with EOS unless truncated)."""
-    rollout_logprobs: list[float]
-    """vLLM's log-prob of each response token."""
-    truncated: bool
-    """The response hit max_new_tokens."""
-    score: float
-    """The grader's score (DAPO: +1 / -1)."""
-    acc: float
-    """1.0 correct, 0.0 wrong."""
-    reward: float = 0.0
-    """score plus shaping (overlong penalty): what GAE receives at the last response token."""
+    prompts: Ragged
+    """Prompt token ids: int32 [P] with offsets [S + 1]."""
+    responses: Ragged
+    """Response token ids: int32 [N] with offsets [S + 1] (each ends with EOS unless truncated)."""
+    rollout_logprobs: torch.Tensor
+    """[N] float32: vLLM's log-prob of each response token, in the responses' flat order."""
+    group: torch.Tensor
+    """[S] int64: index of the sample's prompt group in the step."""
+    prompt_index: torch.Tensor
+    """[S] int64: row of the prompt in the training set."""
+    truncated: torch.Tensor
+    """[S] bool: the response hit max_new_tokens."""
+    score: torch.Tensor
+    """[S] float64: the grader's score (DAPO: +1 / -1)."""
+    acc: torch.Tensor
+    """[S] float64: 1.0 correct, 0.0 wrong."""
+    reward: torch.Tensor
+    """[S] float64: score plus shaping (overlong penalty), what GAE receives at the last token."""
+
+    def __len__(self) -> int:
+        return self.group.numel()
+
+    def select(self, samples: torch.Tensor) -> Trajectories:
+        """Samples ``samples`` ([K] int64 indices, in that order)."""
+        index = gather_index(self.responses.offsets, samples)
+        return Trajectories(
+            prompts=self.prompts.select(samples),
+            responses=Ragged(self.responses.values[index], select_offsets(self.responses.offsets, samples)),
+            rollout_logprobs=self.rollout_logprobs[index],
+            group=self.group[samples], prompt_index=self.prompt_index[samples],
+            truncated=self.truncated[samples], score=self.score[samples],
+            acc=self.acc[samples], reward=self.reward[samples],
+        )  # fmt: skip
+
+    @staticmethod
+    def from_rows(
+        meta: torch.Tensor,
+        prompt_tokens: torch.Tensor,
+        response_tokens: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+    ) -> Trajectories:
+        """From the flat buffers and the [S, len(META_FIELDS)] float64 metadata rows."""
+        cols = dict(zip(META_FIELDS, meta.T, strict=True))
+        offsets = {
+            name: torch.nn.functional.pad(cols[f"{name}_len"].long().cumsum(0), (1, 0))
+            for name in ("prompt", "response")
+        }
+        return Trajectories(
+            prompts=Ragged(prompt_tokens, offsets["prompt"]),
+            responses=Ragged(response_tokens, offsets["response"]),
+            rollout_logprobs=rollout_logprobs, group=cols["group"].long(),
+            prompt_index=cols["prompt_index"].long(), truncated=cols["truncated"].bool(),
+            score=cols["score"].clone(), acc=cols["acc"].clone(), reward=cols["score"].clone(),
+        )  # fmt: skip
+
+    def meta_rows(self) -> torch.Tensor:
+        """[S, len(META_FIELDS)] float64, the inverse of ``from_rows``."""
+        cols = {
+            "group": self.group, "prompt_index": self.prompt_index,
+            "prompt_len": self.prompts.lengths(), "response_len": self.responses.lengths(),
+            "truncated": self.truncated, "score": self.score, "acc": self.acc,
+        }  # fmt: skip
+        return torch.stack([cols[name].to(torch.float64) for name in META_FIELDS], dim=1)
 
 
 @dataclass
@@ -91,16 +143,15 @@ def generate_and_grade(
     replica: int,
     num_replicas: int,
     host_group: dist.ProcessGroup,
-) -> list[Trajectory]:
+) -> Trajectories:
     """Generate ``n`` responses for this replica's share of ``prompts`` (TokenizedPrompt list,
     the same on every rank), grade them, and gather everyone's: every rank returns all
     ``len(prompts) * n`` trajectories in (group, sample) order. The trajectories and the
-    counts travel over ``host_group`` (gloo): they are host data, and while vLLM still holds
-    the GPU an object gather on NCCL would stage world x payload bytes on it."""
+    counts travel over ``host_group`` (gloo) as host tensors: generation output is host data,
+    and while vLLM still holds the GPU a gather on NCCL would stage it on the device."""
     import time
 
     share = replica_share(len(prompts), num_replicas, replica)
-    local: list[Trajectory] = []
     start = time.perf_counter()
     outputs = engine.generate(
         [prompts[g].token_ids for g in share], n=n, temperature=temperature, top_p=top_p,
@@ -113,20 +164,17 @@ def generate_and_grade(
         record = prompts[share[o.prompt_index]].record
         items.append((record.data_source, text, record.answer))
     results, grading = score_responses(items, routing, timeout_s=grader_timeout_s)
+    meta, prompt_ids, response_ids, logprobs = [], [], [], []
     for o, result in zip(outputs, results, strict=True):
         group = share[o.prompt_index]
-        local.append(
-            Trajectory(
-                group=group,
-                prompt_index=prompts[group].record.index,
-                prompt=list(prompts[group].token_ids),
-                response=list(o.response_token_ids),
-                rollout_logprobs=list(o.logprobs),
-                truncated=o.finish_reason == "length",
-                score=float(result.score),
-                acc=float(result.acc),
-            )
-        )
+        prompt = prompts[group].token_ids
+        meta.append(
+            (group, prompts[group].record.index, len(prompt), len(o.response_token_ids),
+             o.finish_reason == "length", float(result.score), float(result.acc))
+        )  # fmt: skip
+        prompt_ids.extend(prompt)
+        response_ids.extend(o.response_token_ids)
+        logprobs.extend(o.logprobs)
     counts = torch.tensor(
         [grading.num_errors, grading.num_timeouts, time.perf_counter() - generated,
          generated - start], dtype=torch.float64, device=HOST,
@@ -134,33 +182,42 @@ def generate_and_grade(
     # The ranks of a replica hold the same samples (vLLM TP in lockstep): its first rank alone
     # hands them, and its counts, to the gather; replicas are consecutive rank groups.
     if dist.get_rank() % (dist.get_world_size() // num_replicas):
-        local = []
+        meta, prompt_ids, response_ids, logprobs = [], [], [], []
         counts.zero_()
-    gathered = collectives.all_gather_objects(local, host_group)
+    local = (
+        torch.tensor(meta, dtype=torch.float64, device=HOST).reshape(-1),
+        torch.tensor(prompt_ids, dtype=torch.int32, device=HOST),
+        torch.tensor(response_ids, dtype=torch.int32, device=HOST),
+        torch.tensor(logprobs, dtype=torch.float32, device=HOST),
+    )
+    meta_all, prompt_all, response_all, logprob_all = (
+        collectives.all_gather_varlen(x, host_group) for x in local
+    )
     collectives.all_reduce(counts, host_group)
     counts[2:] /= num_replicas  # mean seconds over replicas
     stats.grader_errors += int(counts[0])
     stats.grader_timeouts += int(counts[1])
     stats.reward_seconds += float(counts[2])
     stats.generate_seconds += float(counts[3])
-    trajectories = [t for part in gathered for t in part]
-    trajectories.sort(key=lambda t: t.group)  # stable: samples keep their order
-    return trajectories
+    gathered = Trajectories.from_rows(
+        meta_all.view(-1, len(META_FIELDS)), prompt_all, response_all, logprob_all
+    )
+    # Stable: the samples of a group keep their order.
+    return gathered.select(torch.sort(gathered.group, stable=True).indices)
 
 
-def shape_rewards(trajectories: list[Trajectory], algo: AlgoConfig, max_new_tokens: int) -> None:
-    """reward = score (+ DAPO's soft overlong penalty when configured)."""
+def shape_rewards(trajectories: Trajectories, algo: AlgoConfig, max_new_tokens: int) -> None:
+    """reward = score (+ DAPO's soft overlong penalty when configured), in place."""
     if algo.overlong_buffer_len is None:
-        for t in trajectories:
-            t.reward = t.score
+        trajectories.reward = trajectories.score.clone()
         return
-    lengths = torch.tensor([len(t.response) for t in trajectories], device=HOST)
+    lengths = trajectories.responses.lengths()
     penalty = soft_overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer_len)
-    for t, p in zip(trajectories, penalty.tolist(), strict=True):
-        t.reward = t.score + p
+    trajectories.reward = trajectories.score + penalty.to(torch.float64)
 
 
-def varied_groups(trajectories: Sequence[Trajectory], n: int) -> list[list[Trajectory]]:
-    """Groups whose accuracies are not all equal (the dynamic-sampling filter)."""
-    groups = [list(trajectories[i : i + n]) for i in range(0, len(trajectories), n)]
-    return [g for g in groups if len({t.acc for t in g}) > 1]
+def varied_groups(acc: torch.Tensor, n: int) -> torch.Tensor:
+    """[G] bool: the groups (n consecutive samples of acc [G * n]) whose accuracies are not
+    all equal (the dynamic-sampling filter)."""
+    per_group = acc.view(-1, n)
+    return (per_group != per_group[:, :1]).any(1)

@@ -18,28 +18,32 @@ from vapo_megatron.parallel.collectives import all_gather_varlen
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.trainer.batching import (
     FLAT_INDEX,
+    Ragged,
     build_samples,
     dp_share,
     micro_batches,
     response_offsets,
+    row_lengths,
 )
 from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
 
 
 def score_flat(
     engine: ModelEngine,
-    prompts: Sequence[list[int]],
-    responses: Sequence[list[int]],
+    prompts: Sequence[list[int]] | Ragged,
+    responses: Sequence[list[int]] | Ragged,
     *,
     scoring_fn: LossFn,
     output_key: str,
     token_budget: int,
 ) -> torch.Tensor:
     """``output_key`` of ``scoring_fn`` for every response token of the step: [N] float32 in
-    flat order (sample by sample, token by token), on every rank."""
-    offsets = response_offsets([len(r) for r in responses])
+    flat order (sample by sample, token by token), on every rank. ``prompts`` and
+    ``responses``: one row of token ids per sample (lists, or ``Ragged`` flat buffers)."""
+    response_lengths = row_lengths(responses)
+    offsets = response_offsets(response_lengths)
     total = int(offsets[-1])
-    token_counts = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    token_counts = [p + r for p, r in zip(row_lengths(prompts), response_lengths, strict=True)]
     mine = dp_share(token_counts, engine.dp_size, engine.dp_rank)
     samples = build_samples(prompts, responses, mine, offsets)
     mbs = micro_batches(

@@ -20,7 +20,7 @@ from vapo_megatron.data.packing import Sample
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
 from vapo_megatron.trainer import advantage_phase as adv
-from vapo_megatron.trainer.batching import FLAT_INDEX, build_samples, response_offsets
+from vapo_megatron.trainer.batching import FLAT_INDEX, build_samples
 from vapo_megatron.trainer.loss_fns import (
     logprob_scoring_fn,
     policy_loss_fn,
@@ -29,7 +29,7 @@ from vapo_megatron.trainer.loss_fns import (
 )
 from vapo_megatron.trainer.rollout_phase import (
     RolloutStats,
-    Trajectory,
+    Trajectories,
     generate_and_grade,
     sampling_seed,
     shape_rewards,
@@ -108,14 +108,15 @@ def push_policy_weights(
 
 def collect_rollouts(
     session: Session, step: int, *, dynamic: bool
-) -> tuple[list[Trajectory], RolloutStats]:
+) -> tuple[Trajectories, RolloutStats]:
     """The step's graded trajectories, group by group; with ``dynamic``, only groups whose
     accuracies differ, sampling up to trainer.max_sampling_rounds rounds to fill the step."""
     cfg = session.config
     algo, rollout = cfg.algorithm, cfg.rollout
     n = algo.samples_per_prompt
     stats = RolloutStats()
-    kept: list[list[Trajectory]] = []
+    kept: list[Trajectories] = []  # whole groups, in order
+    num_kept = 0
     rounds = cfg.trainer.max_sampling_rounds if dynamic else 1
     for round_ in range(rounds):
         indices = session.sampler.next_indices(algo.prompts_per_step)
@@ -131,26 +132,43 @@ def collect_rollouts(
         )  # fmt: skip
         stats.rounds += 1
         stats.groups_sampled += len(prompts)
-        groups = [trajectories[i : i + n] for i in range(0, len(trajectories), n)]
         if dynamic:
-            groups = varied_groups(trajectories, n)
-        kept.extend(groups)
-        if len(kept) >= algo.prompts_per_step:
+            groups = varied_groups(trajectories.acc, n).nonzero().squeeze(1)
+        else:
+            groups = torch.arange(len(trajectories) // n, device=HOST)
+        groups = groups[: algo.prompts_per_step - num_kept]
+        kept.append(trajectories.select(_group_samples(groups, n)))
+        num_kept += groups.numel()
+        if num_kept >= algo.prompts_per_step:
             break
-    kept = kept[: algo.prompts_per_step]
-    stats.groups_kept = len(kept)
-    flat = []
-    for group in kept:
-        if any(not t.response for t in group):
-            # No token to carry the reward; dropping only that sample would misalign the
-            # group baseline, so the whole group goes (counted).
-            stats.empty_responses += sum(not t.response for t in group)
-            continue
-        for t in group:
-            t.group = len(flat) // n
-            flat.append(t)
+    stats.groups_kept = num_kept
+    merged = _concat(kept)
+    # No token to carry the reward; dropping only that sample would misalign the group
+    # baseline, so the whole group goes (counted).
+    empty = (merged.responses.lengths() == 0).view(-1, n)
+    stats.empty_responses += int(empty.sum())
+    flat = merged.select(_group_samples((~empty.any(1)).nonzero().squeeze(1), n))
+    flat.group = torch.arange(len(flat), device=HOST) // n
     shape_rewards(flat, algo, rollout.max_new_tokens)
     return flat, stats
+
+
+def _group_samples(groups: torch.Tensor, n: int) -> torch.Tensor:
+    """[G * n] sample indices of the groups ``groups`` [G] (n consecutive samples each)."""
+    return (groups[:, None] * n + torch.arange(n, device=HOST)[None]).reshape(-1)
+
+
+def _concat(parts: Sequence[Trajectories]) -> Trajectories:
+    """The samples of ``parts``, one after the other."""
+    if len(parts) == 1:
+        return parts[0]
+    rows = torch.cat([p.meta_rows() for p in parts])
+    return Trajectories.from_rows(
+        rows,
+        torch.cat([p.prompts.values for p in parts]),
+        torch.cat([p.responses.values for p in parts]),
+        torch.cat([p.rollout_logprobs for p in parts]),
+    )
 
 
 def minibatch_indices(num_samples: int, num_minibatches: int, seed: int) -> list[torch.Tensor]:
@@ -204,15 +222,14 @@ def run_step(
     timer.seconds["rollout"] = stats.generate_seconds
     timer.seconds["reward"] = stats.reward_seconds
     metrics.update(_rollout_metrics(trajectories, stats, cfg.rollout.max_new_tokens))
-    if not trajectories:
+    if not len(trajectories):
         logger.warning("step %d: no trajectories to train on (all groups filtered)", step)
         metrics["skipped_step"] = 1.0
         return metrics
 
     # 5. Scoring pass: old log-probs (policy, at the sampling temperature), values (critic).
-    prompts = [t.prompt for t in trajectories]
-    responses = [t.response for t in trajectories]
-    offsets = response_offsets([len(r) for r in responses])
+    prompts, responses = trajectories.prompts, trajectories.responses
+    offsets = responses.offsets
     budget = trainer.micro_batch_tokens
     old_logprobs = None
     if not pretrain:
@@ -222,9 +239,7 @@ def run_step(
                 session.policy.vocab_slice, temperature=cfg.rollout.temperature
             ),
         )  # fmt: skip
-        rollout_lp = torch.tensor(
-            [lp for t in trajectories for lp in t.rollout_logprobs], device=HOST
-        )
+        rollout_lp = trajectories.rollout_logprobs
         gap = (torch.exp(rollout_lp - old_logprobs) - 1).abs().mean().item()
         metrics["rollout/logprob_gap"] = gap
         if gap > cfg.rollout.logprob_gap_warn:
@@ -244,7 +259,7 @@ def run_step(
     timer.lap("scoring")
 
     # 6. Advantages and critic targets.
-    rewards = [t.reward for t in trajectories]
+    rewards = trajectories.reward
     advantages = returns = None
     if pretrain:
         returns = adv.monte_carlo_returns(rewards, values, offsets)
@@ -275,8 +290,12 @@ def run_step(
     timer.lap("advantages")
 
     # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
-    positive = [t.acc > 0 for t in trajectories]
-    trainable_policy = [not (cfg.reward.overlong_filter and t.truncated) for t in trajectories]
+    positive = (trajectories.acc > 0).tolist()
+    trainable_policy = (
+        (~trajectories.truncated).tolist()
+        if cfg.reward.overlong_filter
+        else [True] * len(trajectories)
+    )
 
     def critic_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
         return {"returns": returns[flat], "old_values": values[flat]}
@@ -356,13 +375,13 @@ def run_step(
     metrics["time/megatron"] = megatron
     metrics["time/overhead"] = total - megatron - timer.seconds.get("rollout", 0.0)
     metrics["overhead_fraction"] = metrics["time/overhead"] / total if total > 0 else math.nan
-    tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    tokens = int(prompts.offsets[-1]) + int(responses.offsets[-1])
     metrics["tokens_per_second"] = tokens / total if total > 0 else math.nan
     return metrics
 
 
 def _rollout_metrics(
-    trajectories: Sequence[Trajectory], stats: RolloutStats, max_new_tokens: int
+    trajectories: Trajectories, stats: RolloutStats, max_new_tokens: int
 ) -> dict[str, float]:
     out = {
         "rollout/rounds": float(stats.rounds),
@@ -373,19 +392,16 @@ def _rollout_metrics(
         "rollout/empty_responses": float(stats.empty_responses),
         "num_samples": float(len(trajectories)),
     }
-    if trajectories:
-        lengths = torch.tensor(
-            [len(t.response) for t in trajectories], dtype=torch.float64, device=HOST
-        )
+    if len(trajectories):
+        lengths = trajectories.responses.lengths().to(torch.float64)
         out.update(
             {
-                "score": sum(t.score for t in trajectories) / len(trajectories),
-                "reward": sum(t.reward for t in trajectories) / len(trajectories),
-                "acc": sum(t.acc for t in trajectories) / len(trajectories),
+                "score": trajectories.score.mean().item(),
+                "reward": trajectories.reward.mean().item(),
+                "acc": trajectories.acc.mean().item(),
                 "response_length/mean": lengths.mean().item(),
                 "response_length/max": lengths.max().item(),
-                "response_length/clip_frac": sum(t.truncated for t in trajectories)
-                / len(trajectories),
+                "response_length/clip_frac": trajectories.truncated.double().mean().item(),
             }
         )
     return out
