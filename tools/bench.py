@@ -1,6 +1,6 @@
 """Benchmarks. Each prints a table and, as its last line, one JSON object.
 
-    python tools/bench.py gae|model|convert|sync|step
+    python tools/bench.py gae|model|convert|sync|step|scale
 
 Timings are ratios against a reference measured in the same run, so a noisy shared machine
 moves both sides together.
@@ -20,6 +20,7 @@ BENCHES = {
     "convert": "bench_convert",
     "sync": "bench_sync",
     "step": "bench_step",
+    "scale": "bench_scale",
 }
 
 

@@ -1,0 +1,207 @@
+"""The step's host bookkeeping at the 32B recipe's step shape, on 2 gloo ranks.
+
+Runs the trainer's own ``run_step`` (rollout gather and filtering, the scoring passes' packing
+and gathers, GAE, mini-batch packing, normalisers, metrics) with the model compute stubbed:
+generation returns synthetic responses of the recipe's length distribution (lognormal, capped
+at max_new_tokens; ~300-token prompts), grading is a constant-time stub, the scoring pass
+returns deterministic values, the updates do no arithmetic and weight sync is skipped. Two
+ranks form two rollout replicas and DP2 for both models.
+
+Bookkeeping seconds = step time - generation - grading - sync (all stubbed to ~0 work). The
+bench runs ``--samples`` per step (default 2,048: a quarter of the 32B step) and extrapolates
+linearly to 8,192 samples; peak host memory per rank (ru_maxrss) is extrapolated as the
+baseline after start-up plus the growth times 8,192 / samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+STEP_SAMPLES = 8192
+PROMPT_TOKENS = 300
+
+
+def rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+def worker(samples: int, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_gae import response_lengths
+
+    from vapo_megatron.models.provider import ModelLayout
+    from vapo_megatron.parallel.collectives import make_host_group
+    from vapo_megatron.parallel.devices import HOST
+    from vapo_megatron.trainer import rollout_phase, step
+    from vapo_megatron.trainer.recipe import load_recipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    host = make_host_group()
+    n = 16
+    config = load_recipe(
+        REPO / "recipes" / "vapo_qwen2.5_32b.yaml",
+        [f"algorithm.prompts_per_step={samples // n}",
+         f"trainer.mini_batch_size={samples // 16}"],  # 16 mini-batches, as at 8,192 samples
+    )  # fmt: skip
+    max_new = config.rollout.max_new_tokens
+    prompts = [
+        SimpleNamespace(
+            token_ids=[(7 * g + k) % 50_000 + 1 for k in range(PROMPT_TOKENS + g % 64)],
+            record=SimpleNamespace(index=g, data_source="math", answer="1"),
+        )
+        for g in range(samples // n)
+    ]
+
+    class Rollout:
+        """Synthetic generation of the recipe's lengths; odd samples are correct."""
+
+        def generate(self, prompt_ids, *, n, seed, **_):
+            lengths = response_lengths(len(prompt_ids) * n, seed=seed).clamp(max=max_new)
+            out = []
+            for i, length in enumerate(lengths.tolist()):
+                out.append(
+                    SimpleNamespace(
+                        prompt_index=i // n, response_token_ids=list(range(1, length + 1)),
+                        logprobs=[-0.5] * length,
+                        finish_reason="length" if length == max_new else "stop",
+                    )
+                )  # fmt: skip
+            return out
+
+        def wake_up(self, tags):
+            pass
+
+        def sleep(self):
+            pass
+
+    def grade(items, routing, *, timeout_s):
+        results = [
+            SimpleNamespace(score=float(i % 2) * 2 - 1, acc=float(i % 2)) for i in range(len(items))
+        ]
+        return results, SimpleNamespace(num_errors=0, num_timeouts=0)
+
+    class Engine:
+        """A ModelEngine with the model stubbed: DP2 over the 2 ranks, no arithmetic."""
+
+        layout = ModelLayout()
+        dp_size, dp_rank, cp_rank, tp_rank = world, rank, 0, 0
+        is_last_stage = True
+        device = HOST
+        vocab_slice = None
+        compute_seconds = 0.0
+        groups = SimpleNamespace(
+            world=dist.group.WORLD, host=host, parallel=SimpleNamespace(dp_cp=dist.group.WORLD)
+        )
+
+        def run(self, mbs, loss_fn, *, forward_only=False):
+            if forward_only:  # deterministic outputs from the tokens: log-probs and values
+                return [
+                    {"logprobs": mb.tokens.float() * -1e-6, "values": mb.tokens.float() * 1e-6}
+                    for mb in mbs
+                ]
+            return [{"loss_share": torch.zeros((), device=HOST)} for _ in mbs]
+
+        def step(self):
+            return {}
+
+    class Sampler:
+        def next_indices(self, count):
+            return list(range(count))
+
+    session = SimpleNamespace(
+        config=config, policy=Engine(), critic=Engine(), rollout=Rollout(), rollout_synced=True,
+        sampler=Sampler(), train=SimpleNamespace(items=prompts),
+        tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: ""),
+        stop_token_ids=[0], routing={}, replica=rank, num_replicas=world, host_group=host,
+        rank=rank, run_dir=Path(tempfile.mkdtemp(prefix="bench_scale_")),
+    )  # fmt: skip
+    rollout_phase.score_responses = grade  # the grader is not the data path
+    step.sync_weights = lambda session: {}  # nor is the weight stream (tools/bench.py sync)
+    dist.barrier(host)
+    base_gb = rss_gb()
+    rows = []
+    for k in range(steps):
+        metrics = step.run_step(session, k, pretrain=False)
+        excluded = sum(metrics.get(f"time/{p}", 0.0) for p in ("rollout", "reward", "sync"))
+        phases = {
+            p: round(metrics[f"time/{p}"], 3)
+            for p in ("rollout_other", "scoring", "advantages", "update_critic", "update_policy")
+        }
+        rows.append({"bookkeeping_s": metrics["time/step"] - excluded, **phases})
+    last = rows[-1]
+    result = {
+        "rank": rank, "samples": int(metrics["num_samples"]),
+        "response_tokens": int(metrics["response_length/mean"] * metrics["num_samples"]),
+        "base_gb": base_gb, "peak_gb": rss_gb(), **last,
+    }  # fmt: skip
+    print("SCALE_RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def run(quick: bool = False, samples: int | None = None) -> None:
+    from vapo_megatron.parallel.local_launch import run_local_ranks
+
+    samples = samples or (256 if quick else 2048)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONWARNINGS"] = "ignore"
+    command = [sys.executable, __file__, "--worker", str(samples), "2"]
+    start = time.perf_counter()
+    outputs = run_local_ranks(command, 2, timeout=1800, env=env, cwd=REPO)
+    wall = time.perf_counter() - start
+    results = [
+        json.loads(line.split("SCALE_RESULT ", 1)[1])
+        for out in outputs
+        for line in out.splitlines()
+        if line.startswith("SCALE_RESULT ")
+    ]
+    if len(results) != 2:
+        raise RuntimeError("bench scale: a rank gave no result:\n" + "\n".join(outputs))
+    scale = STEP_SAMPLES / results[0]["samples"]
+    phases = ("rollout_other", "scoring", "advantages", "update_critic", "update_policy")
+    print(f"{samples} samples per step, {results[0]['response_tokens']:,} response tokens, "
+          f"2 gloo ranks (DP2), second step; wall {wall:.0f} s")  # fmt: skip
+    print(
+        f"{'rank':>4} {'bookkeep s':>10} "
+        + " ".join(f"{p:>13}" for p in phases)
+        + f" {'peak GB':>8}"
+    )
+    for r in results:
+        print(f"{r['rank']:>4} {r['bookkeeping_s']:10.2f} "
+              + " ".join(f"{r[p]:13.2f}" for p in phases) + f" {r['peak_gb']:8.2f}")  # fmt: skip
+    seconds = max(r["bookkeeping_s"] for r in results) * scale
+    host_gb = max(r["base_gb"] + (r["peak_gb"] - r["base_gb"]) * scale for r in results)
+    print(f"extrapolated to {STEP_SAMPLES} samples (x{scale:g}): {seconds:.1f} s per step, "
+          f"{host_gb:.2f} GB host per rank (targets: <= 5 s, <= 2 GB)")  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "scale",
+                "bookkeeping_s_per_step": round(seconds, 2),
+                "host_gb_per_rank": round(host_gb, 2),
+                "samples": STEP_SAMPLES,
+                "response_tokens": round(results[0]["response_tokens"] * scale),
+                "measured_samples": results[0]["samples"],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        run(samples=int(sys.argv[1]) if len(sys.argv) > 1 else None)
