@@ -1,9 +1,12 @@
 """The rollout engine's sleep/wake/sync/generate order (rollout/sleep_state.py), and the
 vLLM calls and training-memory offload the engine makes around it (with a stand-in for vLLM)."""
 
-import pytest
+from types import SimpleNamespace
 
-from vapo_megatron.rollout.sleep_state import EngineStateError, SleepState, TrainingOffload
+import pytest
+import torch
+
+from vapo_megatron.rollout.sleep_state import EngineStateError, SleepState
 
 pytestmark = pytest.mark.unit
 
@@ -99,7 +102,7 @@ def test_failed_sync_breaks_the_engine_for_good():
 
 
 class Recorder:
-    """Stands in for vLLM's LLM, Megatron's DDP chunks and optimizers: records the calls."""
+    """Stands in for vLLM's LLM and the training offload: records the calls."""
 
     def __init__(self, log, name):
         self.log, self.name = log, name
@@ -117,10 +120,12 @@ def fake_engine(*, is_cpu: bool, level: int, log: list):
     engine.is_cpu = is_cpu
     engine.state = SleepState()
     engine.llm = Recorder(log, "llm")
-    engine.training_offload = TrainingOffload(
-        [Recorder(log, "chunk")], [Recorder(log, "optimizer")], on_device=not is_cpu
-    )
+    engine.training_offload = Recorder(log, "offload")
     return engine
+
+
+def rpc_name(entry) -> str:
+    return entry[2][0].__name__ if entry[1] == "collective_rpc" else entry[1]
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -134,32 +139,70 @@ def test_gpu_engine_calls_vllm_and_offloads_in_order(level):
     engine.state.end_update(ok=True)
     engine.wake_up(["kv_cache"])
     engine.sleep()
-    calls = [(who, what) for who, what, _, _ in log]
+    calls = [(who, rpc_name(entry)) for entry in log for who in [entry[0]]]
+    save = [("llm", "save_unsaved_module_tensors")] if level == 2 else []
+    restore = [("llm", "restore_unsaved_module_tensors")] if level == 2 else []
     assert calls == [
+        *save,  # host copies of what level 2 discards and nothing restores
         ("llm", "sleep"),
-        ("chunk", "offload_grad_buffers"),  # training memory out before the weights come in
-        ("optimizer", "offload_to_cpu"),
+        ("offload", "restore"),  # the training state back once the engine sleeps
+        ("offload", "offload_for_weights"),  # all but the policy's parameters out first
         ("llm", "wake_up"),
+        *restore,
+        ("offload", "offload_policy_params"),  # the sync has read them: out before the KV
         ("llm", "wake_up"),
+        *save,
         ("llm", "sleep"),
-        ("optimizer", "restore_from_cpu"),  # and back once the engine sleeps
-        ("chunk", "restore_grad_buffers"),
+        ("offload", "restore"),
     ]
-    assert log[0][3] == {"level": level}
+    assert [e[3] for e in log if e[1] == "sleep" and e[0] == "llm"] == [{"level": level}] * 2
     assert [entry[3]["tags"] for entry in log if entry[1] == "wake_up"] == [
         ["weights"],
         ["kv_cache"],
     ]
 
 
+def test_sleep_level_2_is_the_default():
+    pytest.importorskip("vllm")
+    from vapo_megatron.rollout.engine import RolloutConfig
+    from vapo_megatron.trainer.config import RolloutSettings
+
+    assert RolloutConfig(model_path="unused").sleep_level == 2
+    assert RolloutSettings().sleep_level == 2
+
+
+def test_level_2_restores_module_tensors_vllm_does_not_save():
+    """A tensor held as a plain module attribute (not a parameter, not a registered buffer)
+    is saved before a level-2 sleep and copied back after the weights wake."""
+    pytest.importorskip("vllm")
+    from vapo_megatron.rollout.engine import (
+        restore_unsaved_module_tensors,
+        save_unsaved_module_tensors,
+        unsaved_module_tensors,
+    )
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    model[0].register_buffer("inv_freq", torch.arange(3.0))
+    model[0].cos_sin = torch.linspace(0, 1, 6)  # the kind vLLM's level 2 loses
+    assert list(unsaved_module_tensors(model)) == ["0.cos_sin"]
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
+    assert save_unsaved_module_tensors(worker) == 1
+    want = model[0].cos_sin.clone()
+    model[0].cos_sin.fill_(float("nan"))  # what a discarded allocation may hold on wake
+    assert restore_unsaved_module_tensors(worker) == 1
+    assert torch.equal(model[0].cos_sin, want)
+    assert restore_unsaved_module_tensors(worker) == 0  # used once
+
+
 def test_cpu_engine_calls_nothing_but_checks_the_order():
     log = []
     engine = fake_engine(is_cpu=True, level=1, log=log)
+    engine.training_offload = None
     engine.sleep()
     engine.wake_up(["weights"])
     engine.wake_up(["kv_cache"])
     engine.sleep()
-    assert log == []  # no vLLM sleep mode on CPU, nothing to offload
+    assert log == []  # no vLLM sleep mode on CPU
     with pytest.raises(EngineStateError, match="sleeps"):
         engine.generate([[1, 2]], max_new_tokens=1)
     with pytest.raises(EngineStateError, match="sleeping engine"):

@@ -64,9 +64,11 @@ class RolloutConfig:
     """'auto': read model_path's weights at start; 'dummy': random weights of the right shapes
     (the trainer's engines: the first sync overwrites every weight, so no rank reads the
     checkpoint, 65 GB at 32B, only to discard it). Evaluation of a saved model keeps 'auto'."""
-    sleep_level: SleepLevel = 1
-    """GPU: what sleep frees. 1: weights to host memory, KV cache dropped; 2: both dropped (a full
-    sync must follow every wake). CPU: vLLM has no sleep mode; only the order is checked."""
+    sleep_level: SleepLevel = 2
+    """GPU: what sleep frees. 1: weights to host memory (a pinned copy, 16 GB per rank at 32B),
+    KV cache dropped; 2: both dropped (a full sync follows every wake, as the trainer does each
+    step; the engine restores what the sync does not, ``sleep_state``). CPU: vLLM has no sleep
+    mode; only the order is checked."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -436,12 +438,17 @@ class RolloutEngine:
         """Free the engine's device memory for training (vLLM sleep, ``config.sleep_level``),
         then bring training memory back from host if it was offloaded.
 
-        On CPU vLLM is not called (its CPU worker has no sleep mode, and host memory is not the
-        limit there) and nothing is offloaded, but the state changes as on GPU: generating or
-        syncing before the matching ``wake_up`` is an ``EngineStateError`` on CPU too.
+        Level 2 first saves, on host, the module tensors that vLLM's level 2 discards and
+        neither vLLM nor the weight sync restores (``unsaved_module_tensors``); ``wake_up``
+        puts them back with the weights. On CPU vLLM is not called (its CPU worker has no sleep
+        mode, and host memory is not the limit there), but the state changes as on GPU:
+        generating or syncing before the matching ``wake_up`` is an ``EngineStateError`` on
+        CPU too, and the training state moves (to a second host buffer and back) all the same.
         """
         self.state.sleep(self.config.sleep_level)
         if not self.is_cpu:
+            if self.config.sleep_level == 2:
+                self.llm.collective_rpc(save_unsaved_module_tensors)
             self.llm.sleep(level=self.config.sleep_level)
         if self.training_offload is not None:
             self.training_offload.restore()
@@ -451,8 +458,10 @@ class RolloutEngine:
 
         The step does ``wake_up(["weights"])``, ``update_weights(...)``, then
         ``wake_up(["kv_cache"])``, so that the KV cache is not allocated while the buckets are
-        in flight. Training memory is offloaded (when configured, GPU) before the weights come
-        back. Waking what is awake does nothing. On CPU vLLM is not called (see ``sleep``).
+        in flight. With a ``training_offload``, everything of the training state but the
+        policy's parameters leaves the device before the weights come back, and the policy's
+        parameters (read by the sync) before the KV cache. Waking what is awake does nothing.
+        On CPU vLLM is not called (see ``sleep``).
         """
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
@@ -463,13 +472,19 @@ class RolloutEngine:
             was_asleep = (
                 self.state.weights != "awake" if tag == "weights" else not self.state.kv_cache_awake
             )
+            discarded = self.state.weights == "discarded"
             self.state.wake(tag)
             if not was_asleep:
                 continue
-            if tag == "weights" and self.training_offload is not None:
-                self.training_offload.offload()
+            if self.training_offload is not None:
+                if tag == "weights":
+                    self.training_offload.offload_for_weights()
+                else:
+                    self.training_offload.offload_policy_params()
             if not self.is_cpu:
                 self.llm.wake_up(tags=[tag])
+                if tag == "weights" and discarded:
+                    self.llm.collective_rpc(restore_unsaved_module_tensors)
 
     def reset_peak_memory(self) -> list[int]:
         """Reset each rank's peak resident memory; return each rank's current RSS in bytes."""
@@ -488,3 +503,41 @@ class RolloutEngine:
         together, and only one engine per process at a time.
         """
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def unsaved_module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors on the model's device held as plain attributes of its modules: neither parameters
+    (the sync rewrites those) nor registered buffers (vLLM's level-2 sleep saves and restores
+    those). vLLM allocates them in its weights pool while building the model, so level 2
+    discards them and nothing else brings them back; rotary caches kept outside
+    ``register_buffer`` are the known case (vLLM #16564, NeMo-RL #2631)."""
+    out: dict[str, torch.Tensor] = {}
+    device = next(model.parameters()).device
+    for module_name, module in model.named_modules():
+        registered = {id(t) for t in (*module._parameters.values(), *module._buffers.values())}
+        for name, value in vars(module).items():
+            if (
+                isinstance(value, torch.Tensor)
+                and not isinstance(value, torch.nn.Parameter)
+                and value.device == device
+                and id(value) not in registered
+            ):
+                out[f"{module_name}.{name}" if module_name else name] = value
+    return out
+
+
+def save_unsaved_module_tensors(worker) -> int:
+    """vLLM worker RPC, before a level-2 sleep: host copies of ``unsaved_module_tensors``."""
+    tensors = unsaved_module_tensors(worker.model_runner.model)
+    worker.vapo_unsaved_tensors = {name: t.to("cpu", copy=True) for name, t in tensors.items()}
+    return len(tensors)
+
+
+def restore_unsaved_module_tensors(worker) -> int:
+    """vLLM worker RPC, after waking the weights from level 2: copy the saved tensors back."""
+    saved = getattr(worker, "vapo_unsaved_tensors", {})
+    tensors = unsaved_module_tensors(worker.model_runner.model)
+    for name, host in saved.items():
+        tensors[name].copy_(host)
+    worker.vapo_unsaved_tensors = {}
+    return len(saved)

@@ -138,10 +138,10 @@ class RolloutSettings:
     """Skip torch.compile / CUDA graphs (fast start; set False on GPU for speed)."""
     weight_bucket_bytes: int = 256 << 20
     """Bytes per weight-sync message (extra memory of a sync is about one bucket)."""
-    sleep_level: Literal[1, 2] = 1
-    """GPU: engine sleep during training. 1: weights to host, KV cache freed; 2: both freed (each step re-syncs anyway). CPU: order checks only."""
+    sleep_level: Literal[1, 2] = 2
+    """GPU: engine sleep during training. 1: weights to a pinned host copy, KV cache freed; 2: both freed (each step re-syncs anyway; the engine restores what the sync does not). CPU: order checks only."""
     offload_training_state: bool = False
-    """GPU: move gradient buffers and optimizer state to host while the engine is awake. CPU: no-op."""
+    """Both models' parameters, grads and optimizer state off the device while vLLM starts and while it is awake (host buffers; bit-identical back). On CPU too (moved to a second host buffer)."""
     logprob_gap_warn: float = 0.05
     """Warn when mean |exp(logp_vllm - logp_megatron) - 1| exceeds this (a stale or broken sync); exact at top_p = 1, top_p < 1 adds the nucleus renormalisation."""
 

@@ -242,18 +242,22 @@ class Session:
         self.critic.load_hf(dict(source.read(source.names)))
 
     def _start_rollout(self):
-        r = self.config.rollout
+        """The engine, started from random weights (the first sync overwrites every one). With
+        rollout.offload_training_state the training state is off the device while vLLM starts
+        (it sizes its memory from what is free then) and whenever the engine is awake; the
+        engine goes to sleep at once, which brings the training state back."""
         offload = None
-        if r.offload_training_state:  # GPU only; on CPU TrainingOffload does nothing
+        if self.config.rollout.offload_training_state:
             from vapo_megatron.rollout.sleep_state import TrainingOffload
 
-            engines = [e for e in (self.policy, self.critic) if e is not None]
-            offload = TrainingOffload(
-                [chunk for e in engines for chunk in e.chunks], [e.optimizer for e in engines],
-                on_device=torch.cuda.is_available(),
-            )  # fmt: skip
-        # The first sync overwrites every weight: the engines start from random ones.
-        return start_rollout(self.config, self.rank, training_offload=offload, load_format="dummy")
+            offload = TrainingOffload(self.policy, self.critic)
+            offload.offload_all()
+        engine = start_rollout(
+            self.config, self.rank, training_offload=offload, load_format="dummy"
+        )
+        if offload is not None:
+            engine.sleep()
+        return engine
 
     @property
     def rollout_synced(self) -> bool:
