@@ -250,62 +250,155 @@ def save_train_checkpoint(
     keep_last: int,
     group: dist.ProcessGroup | None = None,
 ) -> Path:
-    """Save every model's weights, optimizer and scheduler, this rank's RNG and rank 0's
-    ``extra`` as checkpoint ``step``.
+    """Save checkpoint ``step`` synchronously (see :meth:`CheckpointSaver.save`); return its
+    directory."""
+    CheckpointSaver().save(root, step, models, extra, keep_last=keep_last, group=group)
+    return Path(root) / step_dir_name(step)
 
-    Collective over the default process group (megatron's writer) and ``group`` (default:
-    every rank; the host group in the trainer) for the barriers. All ranks write into a
-    temporary directory, each model's DP x CP ranks sharing its writes; once all are done, rank
-    0 renames it into place and moves ``latest``. Then, with ``keep_last`` > 0, only the newest
-    ``keep_last`` complete checkpoints stay (0 keeps all). Returns the checkpoint's directory."""
-    if keep_last < 0:
-        raise ValueError(f"keep_last must be >= 0 (0 keeps every checkpoint), got {keep_last}")
-    root = Path(root)
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    token = _from_rank0(secrets.token_hex(4), group)
-    tmp = root / f"{step_dir_name(step)}.tmp-{token}"
-    if rank == 0:
-        for name in models:
-            (tmp / name / WEIGHTS).mkdir(parents=True)
-            (tmp / name / OPTIMIZER).mkdir()
-    collectives.barrier(group)
-    _save(_rng_state(), tmp / "rng" / _rank_file(rank))
-    for name, state in models.items():
-        model_sd = _model_sharded_state(state)
-        # Built before the model's save, which applies its factories in place: the optimizer
-        # finds its parameters in the model's sharded state by tensor identity.
-        optimizer_sd = state.optimizer.sharded_state_dict(
-            model_sd, is_loading=False, metadata=_optimizer_metadata(state)
-        )
-        _dist_save(model_sd, tmp / name / WEIGHTS, state.dp_cp_group)
-        _dist_save(optimizer_sd, tmp / name / OPTIMIZER, state.dp_cp_group)
+
+class CheckpointSaver:
+    """Writes training checkpoints, synchronously or in the background.
+
+    In the background (``asynchronous``), :meth:`save` returns once every tensor has been
+    staged on the host (megatron's ``preload``: device-to-host copies) and a forked process
+    writes the files; the checkpoint is published (marker, rename, ``latest``) only after every
+    rank's writer has finished, by :meth:`poll` or :meth:`finish`, so a run killed while writing
+    resumes from the previous checkpoint. One save at a time: :meth:`save` first finishes the
+    pending one. Every method is collective (default process group and ``group``)."""
+
+    def __init__(self, *, asynchronous: bool = False) -> None:
+        self.asynchronous = asynchronous
+        self.pending: int | None = None
+        """The step being written in the background; None: nothing pending."""
+        self._queue: Any = None  # megatron's AsyncCallsQueue, made on the first async save
+
+    def save(
+        self,
+        root: str | os.PathLike,
+        step: int,
+        models: Mapping[str, TrainableState],
+        extra: dict[str, Any],
+        *,
+        keep_last: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """Save every model's weights, optimizer and scheduler, this rank's RNG and rank 0's
+        ``extra`` as checkpoint ``step``.
+
+        Collective over the default process group (megatron's writer) and ``group`` (default:
+        every rank; the host group in the trainer) for the barriers. All ranks write into a
+        temporary directory, each model's DP x CP ranks sharing its writes; once all are done,
+        rank 0 renames it into place and moves ``latest``. Then, with ``keep_last`` > 0, only
+        the newest ``keep_last`` complete checkpoints stay (0 keeps all)."""
+        if keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0 (0 keeps every checkpoint), got {keep_last}")
+        self.finish()
+        root = Path(root)
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        token = _from_rank0(secrets.token_hex(4), group)
+        tmp = root / f"{step_dir_name(step)}.tmp-{token}"
         if rank == 0:
-            scheduler = None if state.scheduler is None else state.scheduler.state_dict()
-            _save(scheduler, tmp / name / SCHEDULER)
-            if state.weights_meta is not None:
-                _write_weights_meta(state.weights_meta, tmp / name / WEIGHTS, step)
-    if rank == 0:
-        _save(extra, tmp / EXTRA)
-        meta = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "world_size": world_size,
-            "models": {
-                name: {
-                    "layout": state.layout,
-                    "optimizer_format": _optimizer_format(state),
-                    "weights": state.weights_meta is not None,
-                }
-                for name, state in models.items()
-            },
-        }
-        (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    collectives.barrier(group)
-    if rank == 0:
-        publish(tmp, root, step, keep_last=keep_last)
-    collectives.barrier(group)
-    return root / step_dir_name(step)
+            for name in models:
+                (tmp / name / WEIGHTS).mkdir(parents=True)
+                (tmp / name / OPTIMIZER).mkdir()
+        collectives.barrier(group)
+        _save(_rng_state(), tmp / "rng" / _rank_file(rank))
+        requests = []
+        for name, state in models.items():
+            model_sd = _model_sharded_state(state)
+            # Built before the model's save, which applies its factories in place: the
+            # optimizer finds its parameters in the model's sharded state by tensor identity.
+            optimizer_sd = state.optimizer.sharded_state_dict(
+                model_sd, is_loading=False, metadata=_optimizer_metadata(state)
+            )
+            for sharded, part in ((model_sd, WEIGHTS), (optimizer_sd, OPTIMIZER)):
+                request = _dist_save(
+                    sharded, tmp / name / part, state.dp_cp_group, asynchronous=self.asynchronous
+                )
+                requests.append(request)
+            if rank == 0:
+                scheduler = None if state.scheduler is None else state.scheduler.state_dict()
+                _save(scheduler, tmp / name / SCHEDULER)
+                if state.weights_meta is not None:
+                    _write_weights_meta(state.weights_meta, tmp / name / WEIGHTS, step)
+        if rank == 0:
+            _save(extra, tmp / EXTRA)
+            meta = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "world_size": world_size,
+                "models": {
+                    name: {
+                        "layout": state.layout,
+                        "optimizer_format": _optimizer_format(state),
+                        "weights": state.weights_meta is not None,
+                    }
+                    for name, state in models.items()
+                },
+            }
+            (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        collectives.barrier(group)
+
+        def publish_on_rank0() -> None:
+            if rank == 0:
+                publish(tmp, root, step, keep_last=keep_last)
+
+        if not self.asynchronous:
+            publish_on_rank0()
+            collectives.barrier(group)
+            return
+        if self._queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue(persistent=False)
+        self._queue.schedule_async_request(_one_request(requests, publish_on_rank0))
+        self.pending = step
+
+    def poll(self) -> int | None:
+        """Publish the pending checkpoint if every rank has written its part; return its step,
+        or None (nothing pending, or still writing). Collective: call it on every rank."""
+        if self.pending is None:
+            return None
+        self._queue.maybe_finalize_async_calls(blocking=False)
+        return self._published()
+
+    def finish(self) -> int | None:
+        """Wait for the pending checkpoint and publish it; return its step (None: nothing was
+        pending). Collective."""
+        if self.pending is None:
+            return None
+        self._queue.maybe_finalize_async_calls(blocking=True)
+        return self._published()
+
+    def _published(self) -> int | None:
+        if self._queue.get_num_unfinalized_calls():
+            return None
+        step, self.pending = self.pending, None
+        return step
+
+
+def _one_request(requests: list[Any], publish_fn: Any) -> Any:
+    """The model and optimizer saves of one checkpoint as one background job: their staging
+    (device-to-host copies) now, their writes one after the other in one forked process, then
+    their finalisations (megatron's metadata, in save order) and the publication."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    calls = []
+    for request in requests:
+        if request.async_fn is None:  # nothing to write on this rank
+            continue
+        args = list(request.async_fn_args)
+        if request.preload_fn is not None:
+            args[1] = request.preload_fn()
+        calls.append((request.async_fn, args, request.async_fn_kwargs))
+    finalize = [fn for request in requests for fn in request.finalize_fns] + [publish_fn]
+    return AsyncRequest(_run_calls, (calls,), finalize)
+
+
+def _run_calls(calls: list[tuple[Any, list[Any], dict[str, Any]]]) -> None:
+    for fn, args, kwargs in calls:
+        fn(*args, **kwargs)
 
 
 def load_train_checkpoint(
@@ -451,9 +544,16 @@ def _model_sharded_state(state: TrainableState) -> dict[str, Any]:
     }
 
 
-def _dist_save(sharded: dict[str, Any], directory: Path, dp_cp_group: dist.ProcessGroup | None):
+def _dist_save(
+    sharded: dict[str, Any],
+    directory: Path,
+    dp_cp_group: dist.ProcessGroup | None,
+    *,
+    asynchronous: bool,
+) -> Any:
     """``dist_checkpointing.save`` into the (empty) ``directory``, each replicated shard written
-    once, by one of the model's DP x CP ranks chosen to balance the bytes."""
+    once, by one of the model's DP x CP ranks chosen to balance the bytes. Asynchronous: the
+    ``AsyncRequest`` that writes it (see :func:`_one_request`); else None, written."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
@@ -463,8 +563,11 @@ def _dist_save(sharded: dict[str, Any], directory: Path, dp_cp_group: dist.Proce
     strategy = FullyParallelSaveStrategyWrapper(
         get_default_save_sharded_strategy(), dp_cp_group or dist.group.WORLD
     )
+    if asynchronous:  # results travel from the forked writer through megatron's queue
+        return dist_checkpointing.save(sharded, str(directory), strategy, async_sharded_save=True)
     with in_process_write_results():
         dist_checkpointing.save(sharded, str(directory), strategy)
+    return None
 
 
 def _dist_load(

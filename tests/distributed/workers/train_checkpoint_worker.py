@@ -1,8 +1,9 @@
 """Worker: a training checkpoint resumes exactly, at TP2 (plain optimizer) and DP2 (distributed
 optimizer), fp32 and bf16, policy and critic, each on its own process groups.
 
-Per case: train 2 steps from HF weights, save, draw from every RNG, train 2 more steps and
-record losses, gradient norms, weights, optimizer state (Adam moments, steps, main params)
+Per case: train 2 steps from HF weights, save (``-async`` cases: in the background, published
+only after steps 3-4 ran, so the files must hold step 2's state, not what training changed
+meanwhile), draw from every RNG, train 2 more steps and record losses, gradient norms, weights, optimizer state (Adam moments, steps, main params)
 and scheduler state. Then leave a half-written save behind (a ``.tmp-*`` directory, a step
 directory without its marker, ``latest`` pointing at it), build fresh engines from random
 weights, load, and check that the same draws and the same 2 steps give bit-identical results.
@@ -42,6 +43,7 @@ from vapo_megatron.parallel.reductions import global_loss_normalisers
 from vapo_megatron.trainer.checkpointing import (
     LATEST,
     MARKER,
+    CheckpointSaver,
     TrainableState,
     complete_steps,
     load_train_checkpoint,
@@ -56,6 +58,7 @@ CASES = {
     "DP2-distopt": (ModelLayout(), True, torch.float32),
     "DP2-distopt-bf16": (ModelLayout(), True, torch.bfloat16),
 }
+CASES |= {f"{name}-async": case for name, case in CASES.items()}
 HEADS = {"policy": "lm", "critic": "value"}
 # Warmup then cosine decay: the learning rate changes every step, so a resume that lost the
 # scheduler's position would train differently.
@@ -176,9 +179,15 @@ def check_case(name, root: Path, samples, hf_sds) -> None:
     for _ in (1, 2):
         first.train_step()
     extra = {"step": 2, "sampler": {"epoch": 0, "offset": 16}, "history": [0.5, 0.25]}
-    save_train_checkpoint(root, 2, first.states, extra, keep_last=2)
+    saver = CheckpointSaver(asynchronous=name.endswith("-async"))
+    saver.save(root, 2, first.states, extra, keep_last=2)
     draws = rng_draws()
     want = [first.train_step() for _ in (3, 4)]
+    if saver.asynchronous:  # written while steps 3-4 changed every tensor; published only now
+        assert complete_steps(root) == [] and saver.pending == 2
+        assert saver.finish() == 2 and saver.pending is None
+        print(f"rank {rank}: {name}: published after steps 3-4")
+    assert complete_steps(root) == [2]
     want_state = snapshot(first)
     if dtype == torch.bfloat16:  # the fp32 main params are what the bf16 weights cannot hold
         assert all(p.dtype == torch.float32 for p in want_state["policy"]["main_params"])
