@@ -302,3 +302,14 @@ def test_packed_gae_does_not_pad_to_the_longest_sequence():
         with LargestTensor() as seen:
             decoupled_gae_packed(algo_preset("vapo"), rewards * mask, values, mask, cu)
         assert seen.largest <= 3 * num_tokens, seen.largest
+
+
+@pytest.mark.parametrize("mean_length", [3, 500])
+def test_per_token_coefficients_both_ways(mean_length):
+    # Short sequences take repeat_interleave, long ones the slice fill: same result.
+    gen = torch.Generator().manual_seed(mean_length)
+    lengths = torch.randint(0, 2 * mean_length, (40,), generator=gen)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    per_seq = torch.rand(2, 40, generator=gen)
+    expected = torch.repeat_interleave(per_seq, lengths, dim=1)
+    assert torch.equal(gae_module._per_token(per_seq, cu), expected)

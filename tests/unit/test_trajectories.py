@@ -55,11 +55,11 @@ def random_trajectories(n, seed):
 def test_ragged_rows_and_selection_match_lists():
     rows = random_rows(23, 0, empty_every=4)
     flat = ragged(rows)
-    assert len(flat) == 23 and [flat[i] for i in range(23)] == rows
+    assert len(flat) == 23 and [flat[i].tolist() for i in range(23)] == rows
     assert flat.lengths().tolist() == [len(r) for r in rows]
     pick = torch.tensor([5, 0, 22, 5, 4, 4, 13])
     chosen = flat.select(pick)
-    assert [chosen[i] for i in range(len(pick))] == [rows[i] for i in pick.tolist()]
+    assert [chosen[i].tolist() for i in range(len(pick))] == [rows[i] for i in pick.tolist()]
     assert gather_index(flat.offsets, torch.zeros(0, dtype=torch.long)).numel() == 0
     with pytest.raises(ValueError, match="offsets"):
         Ragged(torch.zeros(4), torch.tensor([0, 3]))
@@ -73,7 +73,7 @@ def test_trajectories_select_and_metadata_rows_round_trip():
     order = torch.tensor([16, 3, 3, 0, 9])
     sub = traj.select(order)
     for k, i in enumerate(order.tolist()):
-        assert sub.prompts[k] == prompts[i] and sub.responses[k] == responses[i]
+        assert sub.prompts[k].tolist() == prompts[i] and sub.responses[k].tolist() == responses[i]
         lo, hi = int(sub.responses.offsets[k]), int(sub.responses.offsets[k + 1])
         torch.testing.assert_close(
             sub.rollout_logprobs[lo:hi], torch.tensor(logprobs[i], dtype=torch.float32)
@@ -130,3 +130,16 @@ def test_rollout_files_round_trip_and_read_the_earlier_format(tmp_path):
     assert torch.equal(old.meta_rows(), traj.meta_rows())
     assert torch.equal(old.reward, traj.reward)
     assert torch.equal(old.rollout_logprobs, traj.rollout_logprobs)
+
+
+def test_packing_takes_token_tensors_as_it_takes_lists():
+    from vapo_megatron.data.packing import Sample, pack
+
+    prompts, responses = random_rows(6, 11), random_rows(6, 12)
+    prompts = [p or [1] for p in prompts]  # a sample needs a prompt token
+    as_lists = [Sample(prompt=p, response=r) for p, r in zip(prompts, responses, strict=True)]
+    flat_p, flat_r = ragged(prompts), ragged(responses)
+    as_views = [Sample(prompt=flat_p[i], response=flat_r[i]) for i in range(6)]
+    a, b = pack(as_lists, cp_size=2, cp_rank=1), pack(as_views, cp_size=2, cp_rank=1)
+    for name in ("tokens", "labels", "response_mask", "position_ids"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name

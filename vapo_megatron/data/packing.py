@@ -28,10 +28,11 @@ from vapo_megatron.parallel.devices import HOST
 class Sample:
     """One prompt and response, with optional label-aligned per-response-token fields."""
 
-    prompt: list[int]
-    """Prompt token ids (at least one)."""
-    response: list[int]
-    """Response token ids."""
+    prompt: list[int] | torch.Tensor
+    """Prompt token ids (at least one): a list or a 1-D host tensor (e.g. a view of the step's
+    flat token buffer, so no per-token Python objects are made)."""
+    response: list[int] | torch.Tensor
+    """Response token ids (a list or a 1-D host tensor)."""
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per response token values [len(response)] (old log-probs, advantages, ...)."""
 
@@ -115,10 +116,15 @@ def _check(samples: Sequence[Sample]) -> list[str]:
 
 def _aligned(sample: Sample) -> tuple[torch.Tensor, ...]:
     """tokens, labels, response mask and label-aligned fields of one sample (unpadded)."""
-    if not sample.prompt:
+    if len(sample.prompt) == 0:
         raise ValueError("a sample needs at least one prompt token (the state before the response)")
     n_prompt, n_resp = len(sample.prompt), len(sample.response)
-    tokens = torch.tensor(sample.prompt + sample.response, dtype=torch.long, device=HOST)
+    tokens = torch.cat(
+        [
+            torch.as_tensor(ids, dtype=torch.long, device=HOST)
+            for ids in (sample.prompt, sample.response)
+        ]
+    )
     length = tokens.numel()
     labels = torch.zeros(length, dtype=torch.long, device=HOST)
     labels[:-1] = tokens[1:]

@@ -26,8 +26,8 @@ class Ragged:
     """Variable-length rows in one flat tensor: row i is values[offsets[i]:offsets[i + 1]].
 
     values: [N]; offsets: [R + 1] int64 (0, ..., N), both on the host. Indexing gives a row
-    as a Python list (what ``data/packing.Sample`` holds), so only the rows a rank packs are
-    ever converted; ``lengths()`` reads the row lengths without touching the values.
+    as a view of values (``data/packing.Sample`` takes it as is: no per-token Python objects);
+    ``lengths()`` reads the row lengths without touching the values.
     """
 
     def __init__(self, values: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -42,8 +42,8 @@ class Ragged:
     def __len__(self) -> int:
         return self.offsets.numel() - 1
 
-    def __getitem__(self, i: int) -> list:
-        return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])].tolist()
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])]
 
     def lengths(self) -> torch.Tensor:
         """[R] int64 row lengths."""
@@ -173,5 +173,8 @@ def build_samples(
         extra = {FLAT_INDEX: torch.arange(flat.start, flat.stop, dtype=torch.long, device=HOST)}
         if fields is not None:
             extra.update(fields(i, flat))
-        out.append(Sample(prompt=list(prompts[i]), response=list(responses[i]), fields=extra))
+        prompt, response = prompts[i], responses[i]
+        if not isinstance(prompt, torch.Tensor):  # lists: a copy, as the caller may reuse them
+            prompt, response = list(prompt), list(response)
+        out.append(Sample(prompt=prompt, response=response, fields=extra))
     return out

@@ -67,7 +67,9 @@ def score_flat(
     world = engine.groups.world
     index = all_gather_varlen(index, world).to(HOST)
     value = all_gather_varlen(value, world).to(HOST)
-    if index.numel() != total or (total and torch.bincount(index, minlength=total).ne(1).any()):
+    seen = torch.zeros(total, dtype=torch.bool, device=HOST)
+    seen[index] = True  # with index.numel() == total, all seen <=> each token exactly once
+    if index.numel() != total or not bool(seen.all()):
         raise RuntimeError(
             f"scoring pass covered {index.numel()} of {total} response tokens on rank "
             f"{dist.get_rank()} (layout {engine.layout}): every token must be scored once"

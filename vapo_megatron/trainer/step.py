@@ -20,7 +20,7 @@ from vapo_megatron.data.packing import Sample
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
 from vapo_megatron.trainer import advantage_phase as adv
-from vapo_megatron.trainer.batching import FLAT_INDEX, build_samples
+from vapo_megatron.trainer.batching import FLAT_INDEX, build_samples, dp_share
 from vapo_megatron.trainer.loss_fns import (
     logprob_scoring_fn,
     policy_loss_fn,
@@ -38,7 +38,7 @@ from vapo_megatron.trainer.rollout_phase import (
 from vapo_megatron.trainer.rollout_store import load_rollouts, save_rollouts
 from vapo_megatron.trainer.scoring import score_flat
 from vapo_megatron.trainer.session import Session
-from vapo_megatron.trainer.updates import train_on
+from vapo_megatron.trainer.updates import train_on_share
 
 if TYPE_CHECKING:
     from vapo_megatron.models.hf_weights import GatherBuffers
@@ -176,6 +176,13 @@ def minibatch_indices(num_samples: int, num_minibatches: int, seed: int) -> list
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(num_samples, generator=generator, device=HOST)
     return [part for part in torch.tensor_split(order, num_minibatches) if part.numel()]
+
+
+def _dp_share(engine: ModelEngine, chosen: list[int], token_counts: list[int]) -> list[int]:
+    """The samples of mini-batch ``chosen`` that ``engine``'s data-parallel rank trains on
+    (what ``train_on`` would pick from the whole mini-batch), in mini-batch order."""
+    share = dp_share([token_counts[i] for i in chosen], engine.dp_size, engine.dp_rank)
+    return [chosen[k] for k in share]
 
 
 def _mean_metrics(parts: Sequence[dict[str, float]], prefix: str) -> dict[str, float]:
@@ -318,15 +325,17 @@ def run_step(
     def policy_loss(norm):
         return policy_loss_fn(algo, norm, vocab, temperature=cfg.rollout.temperature)
 
+    token_counts = (prompts.lengths() + responses.lengths()).tolist()
     critic_parts, policy_parts = [], []
     for epoch in range(trainer.ppo_epochs):
         seed = cfg.trainer.seed * 1_000_003 + step * 101 + epoch
         for part in minibatch_indices(len(trajectories), num_minibatches, seed):
             chosen = part.tolist()
             if uses_critic:
-                samples = build_samples(prompts, responses, chosen, offsets, critic_fields)
+                mine = _dp_share(session.critic, chosen, token_counts)
+                samples = build_samples(prompts, responses, mine, offsets, critic_fields)
                 critic_parts.append(
-                    train_on(
+                    train_on_share(
                         session.critic,
                         samples,
                         critic_loss,
@@ -340,11 +349,10 @@ def run_step(
             chosen = [i for i in chosen if trainable_policy[i]]
             if not chosen:  # every sample overlong-filtered: no update (the same on all ranks)
                 continue
-            samples: list[Sample] = build_samples(
-                prompts, responses, chosen, offsets, policy_fields
-            )
+            mine = _dp_share(session.policy, chosen, token_counts)
+            samples: list[Sample] = build_samples(prompts, responses, mine, offsets, policy_fields)
             policy_parts.append(
-                train_on(
+                train_on_share(
                     session.policy,
                     samples,
                     policy_loss,

@@ -32,6 +32,22 @@ def train_on(
     list on every rank). Returns the mini-batch's metrics (global means) on every rank."""
     counts = [len(s.prompt) + len(s.response) for s in samples]
     mine = [samples[i] for i in dp_share(counts, engine.dp_size, engine.dp_rank)]
+    return train_on_share(
+        engine, mine, loss_fn_factory, field_names=field_names, token_budget=token_budget
+    )
+
+
+def train_on_share(
+    engine: ModelEngine,
+    mine: Sequence[Sample],
+    loss_fn_factory: Callable[[LossNormalisers], LossFn],
+    *,
+    field_names: Sequence[str],
+    token_budget: int,
+) -> dict[str, float]:
+    """As :func:`train_on`, given only this data-parallel rank's share ``mine`` of the
+    mini-batch (``dp_share`` of the mini-batch's token counts): the other ranks' samples are
+    never built here."""
     mbs = micro_batches(
         mine, engine.layout, cp_rank=engine.cp_rank, token_budget=token_budget,
         field_names=field_names,

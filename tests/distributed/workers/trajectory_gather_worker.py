@@ -85,8 +85,8 @@ def main() -> None:
     assert len(got) == NUM_PROMPTS * N, len(got)
     for i, (group, o) in enumerate(expected):
         assert int(got.group[i]) == group and int(got.prompt_index[i]) == 100 + group
-        assert got.prompts[i] == prompts[group].token_ids
-        assert got.responses[i] == o.response_token_ids, (i, got.responses[i])
+        assert got.prompts[i].tolist() == prompts[group].token_ids
+        assert got.responses[i].tolist() == o.response_token_ids, (i, got.responses[i])
         lo, hi = int(got.responses.offsets[i]), int(got.responses.offsets[i + 1])
         assert got.rollout_logprobs[lo:hi].tolist() == torch.tensor(o.logprobs).tolist()
         assert bool(got.truncated[i]) == (o.finish_reason == "length")
