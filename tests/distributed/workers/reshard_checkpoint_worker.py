@@ -17,6 +17,7 @@ sqrt(v) + eps, so the relative differences of the updates stay of that order.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -27,7 +28,14 @@ from tests.distributed.workers.train_checkpoint_worker import Run
 from tests.distributed.workers.train_step_worker import make_samples, make_weights
 from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
-from vapo_megatron.trainer.checkpointing import load_train_checkpoint, save_train_checkpoint
+from vapo_megatron.trainer.checkpointing import (
+    FORMAT,
+    MARKER,
+    OLD_FORMAT_COMMIT,
+    load_train_checkpoint,
+    save_train_checkpoint,
+    step_dir_name,
+)
 
 CASES = {  # name: (saved layout, distributed optimizer, fully_reshardable)
     "DP2": (ModelLayout(), True, False),
@@ -80,10 +88,41 @@ def save_phase(root: Path, samples, hf_sds) -> None:
         dist.barrier()
 
 
+def check_old_format_refused(root: Path, run: Run) -> None:
+    """A checkpoint of the per-rank format (format_version 1) is refused with the command that
+    continues from it: the HF export of its policy weights where it has them, else the commit
+    that still reads it."""
+    for with_weights in (True, False):
+        directory = root / f"old-{with_weights}" / step_dir_name(5)
+        directory.mkdir(parents=True)
+        meta = {"format": FORMAT, "format_version": 1, "step": 5, "world_size": 2, "models": {
+            name: {"layout": state.layout, "weights": with_weights}
+            for name, state in run.states.items()
+        }}  # fmt: skip
+        (directory / "meta.json").write_text(json.dumps(meta))
+        (directory / "policy").mkdir()
+        (directory / "policy" / "rank_00000.pt").write_bytes(b"per-rank pickle")
+        publish_marker = directory / MARKER
+        publish_marker.write_text("{}\n")
+        try:
+            load_train_checkpoint(directory.parent, run.states)
+            raise AssertionError("an old-format checkpoint loaded")
+        except ValueError as err:
+            assert "old per-rank format" in str(err), err
+            if with_weights:
+                want = f"tools/convert.py mcore-to-hf --ckpt {directory}/policy/weights"
+            else:
+                want = f"git checkout {OLD_FORMAT_COMMIT}"
+            assert want in str(err), err
+    print("old per-rank checkpoints refused with the command that continues from them")
+
+
 def load_phase(root: Path, samples) -> None:
     torch.manual_seed(1234)  # other random weights than the saved ones
     for case in CASES:
         run = make_run(case, layout=ModelLayout(), hf_sds=None, samples=samples)
+        if case == "DP2":
+            check_old_format_refused(root, run)
         assert load_train_checkpoint(root / case, run.states) == {"step": 2}
         steps = [record(run) for _ in (3, 4)]
         weights = hf_weights(run)
