@@ -42,7 +42,6 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 [[ -n "${SLURM_JOB_ID:-}" ]] || : "${NODES:=16}"
 : "${GPUS_PER_NODE:=8}"
 : "${HF_MODEL_ID:=Qwen/Qwen2.5-32B}"
-: "${REWARD_MODEL_ID:=nvidia/Qwen-2.5-Nemotron-32B-Reward}" # docs/cluster.md: a public outcome RM of the policy's architecture
 # shellcheck source=slurm/common.sh
 source "$here/common.sh"
 vapo_main "$@"

@@ -95,7 +95,8 @@ def test_dry_run_names_each_missing_input_with_the_command_that_makes_it(tmp_pat
     paths = {"MODEL_PATH": tmp_path / "Qwen2.5-32B", "TRAIN_DATA": tmp_path / "dapo.parquet",
              "EVAL_DATA": tmp_path / "aime.parquet", "POLICY_LOAD": tmp_path / "policy-tp8",
              "CRITIC_INIT": tmp_path / "rm-tp8"}  # fmt: skip
-    env = clean_env(DRY_RUN="1", **{k: str(v) for k, v in paths.items()})
+    env = clean_env(DRY_RUN="1", REWARD_MODEL_ID="example/RM-32B",
+                    **{k: str(v) for k, v in paths.items()})  # fmt: skip
     done = subprocess.run(["bash", str(SLURM / "vapo_qwen32b.sh")], env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2, done.stdout[-3000:]
@@ -113,7 +114,7 @@ def test_dry_run_names_each_missing_input_with_the_command_that_makes_it(tmp_pat
         lines[-1],
     ]
     assert lines[-1].startswith(f"MISSING  critic.init_path={critic}: hf download "
-                                "nvidia/Qwen-2.5-Nemotron-32B-Reward --local-dir ")  # fmt: skip
+                                f"example/RM-32B --local-dir {tmp_path / 'RM-32B'}, then ")  # fmt: skip
     assert "--critic-from reward-model" in lines[-1] and "--critic-from policy" in lines[-1]
     assert "inputs missing" in done.stderr
     assert last_json(done.stdout)["fits"] is True  # the plan is still printed
