@@ -41,14 +41,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recipe", help="a YAML recipe to validate and plan")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override, as vapo-train takes them (repeatable)")  # fmt: skip
-    parser.add_argument("--recompute", choices=["none", "full"], default="none")
+    parser.add_argument("--recompute", choices=["none", "selective", "full"],
+                        help="both models, without --recipe (full: uniform, 1 layer); with a "
+                        "recipe, policy/critic.recompute (--set) decide")  # fmt: skip
+    parser.add_argument("--offload", choices=sorted(mp.OFFLOADS), default="none",
+                        help="without --recipe; with one, rollout.offload_training_state")  # fmt: skip
     parser.add_argument("--no-critic", action="store_true", help="GRPO/DAPO (without --recipe)")
     parser.add_argument(
         "--reserve-gib",
         type=float,
-        default=4.0,
-        help="per-GPU memory no tensor count sees (CUDA, NCCL, fragmentation)",
+        default=2.0,
+        help="per-GPU fragmentation besides the CUDA context and NCCL buffers (counted apart)",
     )
+    parser.add_argument("--min-headroom-gib", type=float, default=8.0,
+                        help="memory every phase must leave free")  # fmt: skip
     parser.add_argument(
         "--min-concurrent",
         type=float,
@@ -110,13 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         response_len=args.response_len or (config.rollout.max_new_tokens if config else 8192),
         micro_batch_tokens=args.micro_batch_tokens
         or (config.trainer.micro_batch_tokens if config else 16384),
-        bf16=config.model.dtype == "bfloat16" if config else True,
-        distributed_optimizer=config.policy.optim.distributed_optimizer if config else True,
-        recompute=args.recompute,
-        uses_critic=config.algorithm.uses_critic if config else not args.no_critic,
-        rollout_tp=config.rollout.tensor_parallel_size if config else 1,
-        gpu_memory_utilization=config.rollout.gpu_memory_utilization if config else 0.5,
         reserve_bytes=int(args.reserve_gib * mp.GIB),
+        min_headroom_bytes=int(args.min_headroom_gib * mp.GIB),
+        **(recipe_workload(config) if config else cli_workload(args)),
     )
     print(f"model {name}: {mp.total_param_count(hf, head='lm') / 1e9:.2f}e9 parameters; "
           f"{args.nodes} node(s) x {args.gpus_per_node} {gpu.name} = {world} GPUs; "
@@ -160,6 +162,36 @@ def main(argv: list[str] | None = None) -> int:
                   f"{util:.2f} ({alt.concurrent_sequences:.1f} sequences per replica)")  # fmt: skip
     print(json.dumps({**mp.plan_summary(proposal), **summary}))
     return 0
+
+
+CLI_RECOMPUTE = {"none": mp.NO_RECOMPUTE, "selective": ("selective", None, None),
+                 "full": mp.FULL_RECOMPUTE}  # fmt: skip
+
+
+def cli_workload(args: argparse.Namespace) -> dict[str, object]:
+    recompute = CLI_RECOMPUTE[args.recompute or "none"]
+    return {"uses_critic": not args.no_critic, "policy_recompute": recompute,
+            "critic_recompute": recompute, "offload": args.offload}  # fmt: skip
+
+
+def recipe_workload(config) -> dict[str, object]:
+    """What the recipe configures and the trainer does with it (not planning-only options)."""
+    bf16 = config.model.dtype == "bfloat16"
+    grad_fp32 = config.gpu.grad_reduce_in_fp32
+    as_tuple = lambda r: (r.granularity, r.method, r.num_layers)  # noqa: E731
+    return {
+        "bf16": bf16,
+        "distributed_optimizer": config.policy.optim.distributed_optimizer,
+        "uses_critic": config.algorithm.uses_critic,
+        "policy_recompute": as_tuple(config.policy.recompute),
+        "critic_recompute": as_tuple(config.critic.recompute),
+        "grad_reduce_in_fp32": bf16 if grad_fp32 == "auto" else bool(grad_fp32),
+        "rollout_tp": config.rollout.tensor_parallel_size,
+        "gpu_memory_utilization": config.rollout.gpu_memory_utilization,
+        "offload": "rollout" if config.rollout.offload_training_state else "none",
+        "enforce_eager": config.rollout.enforce_eager,
+        "samples_per_step": config.algorithm.prompts_per_step * config.algorithm.samples_per_prompt,
+    }
 
 
 def recipe_changes(result: mp.Plan) -> dict[str, object]:

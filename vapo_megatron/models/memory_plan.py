@@ -1,30 +1,43 @@
 """Per-GPU memory of a colocated VAPO job (policy + critic + vLLM on every GPU), by phase.
 
-The model behind ``tools/plan.py``. Parameter counts are exact: :func:`shard_param_count`
-gives the parameters one rank of a megatron-core ``GPTModel`` holds at a TP/PP layout (checked
-against real CPU builds in ``tests/unit/test_memory_plan.py``). Everything else is an estimate
-from counted tensors, written down here so it can be checked and corrected:
+The model behind ``tools/plan.py``. Every figure is labelled in its output as one of:
 
-- Training state per model (bf16): bf16 params 2 B, fp32 grads 4 B (``grad_reduce_in_fp32``,
-  as ``ModelEngine`` sets it), Adam 12 B (fp32 main copy + two moments), divided by the DP x CP
-  ranks under the distributed optimizer. fp32 training: 4 + 4 + 8 B, nothing divided.
-- Activations saved for backward, per token and layer, bf16 (flash/fused attention, no s^2
+- **exact**: parameter counts. :func:`shard_param_count` gives the parameters one rank of a
+  megatron-core ``GPTModel`` holds at a TP/PP layout (checked against real CPU builds in
+  ``tests/unit/test_memory_plan.py``), so params, grads and Adam state are exact counts times
+  their byte sizes: bf16 params 2 B; grads 4 B with ``grad_reduce_in_fp32`` (the recipe's
+  ``gpu.grad_reduce_in_fp32``; auto = on for bf16), else 2 B; Adam 12 B (fp32 main copy + two
+  moments) divided by the DP x CP ranks under the distributed optimizer. fp32 training: 4 + 4
+  + 8 B, nothing divided.
+- **measured** (on CPU, ``tests/unit/test_logprobs_chunked.py``): the log-prob / entropy
+  work on the policy's logits. ``models/logprobs.py`` keeps the bf16 logits for backward and
+  writes a bf16 gradient of the same size (4 B per logit element over a micro-batch's tokens x
+  the local vocabulary) plus the fp32 temporaries of one chunk (16 B x
+  ``LOGPROB_CHUNK_TOKENS`` x local vocabulary). Before chunking it measured 25.6 B per element.
+- **estimated**: everything else, written down here so it can be checked and corrected.
+  Activations saved for backward, per token and layer, bf16 (flash/fused attention, no s^2
   term): norm and projection inputs 4h, q + k + v + attention output, fc1 output 2f (SwiGLU
   keeps both halves), fc2 input f; all divided by TP under sequence parallelism (without it,
   the 4h part is not). K/V received from the CP ring add (cp - 1) x k + v. Tokens per GPU:
-  ``max(micro_batch_tokens, longest sample) / cp`` (a longer sample gets its own micro-batch).
-  1F1B keeps pp micro-batches in flight on the first stage, so a stage holds all L layers'
-  worth; the interleaved schedule adds (pp - 1) / (pp * vpp). Full recompute keeps only each
-  layer's input. One more layer's worth is live during its backward. The policy's last stage
-  adds logits over its vocab shard: bf16 output, fp32 copy and fp32 gradient (10 B).
-- vLLM when awake takes ``gpu_memory_utilization`` of the device (it sizes its KV cache to
-  fill that share); asleep (level 1) it holds nothing on the device. Its weight shard is the
-  bf16 model over vLLM TP; the KV cache is what remains after a fixed ``VLLM_OVERHEAD``.
-- A fixed ``reserve`` per GPU (CUDA context, NCCL buffers of every communicator, allocator
-  fragmentation) that no tensor count sees.
+  ``max(micro_batch_tokens, longest sample) / cp``. 1F1B keeps pp micro-batches in flight on
+  the first stage; the interleaved schedule adds (pp - 1) / (pp * vpp). Recompute as each
+  model's recipe sets it: selective drops only the s^2 scores (none counted here); full keeps
+  each recomputed group's input (2h per token) and, during its backward, the group's full
+  activations (uniform: num_layers layers; block: the first num_layers layers of a stage
+  recomputed, the rest stored). One more layer's worth is live during its backward.
+  vLLM when awake takes ``gpu_memory_utilization`` of the device: its weight shard (bf16 over
+  vLLM TP, exact), ``VLLM_OVERHEAD`` (profile-run activations, sampler) and, without
+  ``enforce_eager``, ``VLLM_CUDA_GRAPHS`` (vLLM >= 0.11 profiles the graph pool inside its
+  budget); the KV cache is the rest. Asleep it holds nothing on the device (level 1 keeps a
+  host copy of the weights, level 2 nothing). Outside every count, a reserve per GPU: the CUDA
+  context, NCCL buffers per communicator in use, and allocator fragmentation
+  (``reserve_parts``). Rollout time: decode is memory-bound, so a step reads the weight shard
+  and the batch's KV once per generated token (``rollout_seconds``).
 
-The offload options are what the trainer does *not* do today; the planner reports what each
-would buy so that a layout which needs one says so instead of silently failing.
+Training state and offload: with ``rollout.offload_training_state`` (``offload="rollout"``) the
+trainer moves both models' params, grads and Adam state to the host before vLLM starts and
+while it is awake (``rollout/sleep_state.py``): the rollout phase holds none of it, the weight
+sync only the policy's parameters. Every phase must leave ``min_headroom_bytes`` free.
 """
 
 from __future__ import annotations
@@ -35,23 +48,41 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from vapo_megatron.models.config import Head, HFModelConfig
+from vapo_megatron.models.logprobs import LOGPROB_CHUNK_TOKENS
 from vapo_megatron.models.provider import ModelLayout
 
 GIB = 1 << 30
 VLLM_OVERHEAD = int(1.5 * GIB)
-"""vLLM's non-KV memory besides weights on one GPU: activations of its profile run, sampler,
-CUDA graphs (an estimate; vLLM measures it at start)."""
+"""vLLM's non-KV memory besides weights and CUDA graphs on one GPU: activations of its profile
+run, sampler (an estimate; vLLM measures it at start)."""
+VLLM_CUDA_GRAPHS = 1 * GIB
+"""vLLM's CUDA-graph pool without enforce_eager (an estimate; counted inside its budget)."""
+CUDA_CONTEXT = int(0.6 * GIB)
+"""CUDA context and kernels' modules per process (an estimate)."""
+NCCL_PER_COMMUNICATOR = GIB // 4
+"""Buffers of one NCCL communicator (channels x peers x NCCL_BUFFSIZE; an estimate)."""
+DECODE_EFFICIENCY = 0.5
+"""Share of the HBM bandwidth a decode step reaches (an estimate)."""
+LOGIT_BYTES = 4
+"""Bytes per logit element of the policy's log-probs: bf16 logits kept + bf16 gradient
+(measured on CPU, tests/unit/test_logprobs_chunked.py)."""
+LOGIT_CHUNK_BYTES = 16
+"""fp32 temporaries per element of one log-prob chunk (measured on CPU, same test)."""
 SYNC_BUCKET = 256 << 20
 """rollout.weight_bucket_bytes default: extra memory of one weight-sync message."""
 
 Offload = Literal["none", "optimizer", "rollout"]
 OFFLOADS: dict[str, str] = {
-    "none": "everything resident (what the trainer does today)",
+    "none": "everything resident (rollout.offload_training_state=false)",
     "optimizer": "Adam state on the host, step on the CPU (megatron-core optimizer_cpu_offload; "
-    "not wired into the trainer yet)",
-    "rollout": "grads and Adam state moved to the host while vLLM is awake (not in the trainer "
-    "yet)",
+    "planning only: not wired into the trainer)",
+    "rollout": "both models' params, grads and Adam state on the host while vLLM starts and is "
+    "awake (rollout.offload_training_state=true)",
 }
+Recompute = tuple[str | None, str | None, int | None]
+"""(granularity, method, num_layers), as ``RecomputeSettings`` in a recipe."""
+NO_RECOMPUTE: Recompute = (None, None, None)
+FULL_RECOMPUTE: Recompute = ("full", "uniform", 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,11 +93,13 @@ class GPUSpec:
     """Preset name."""
     memory_bytes: int
     """Device memory as the driver reports it (nvidia-smi's total)."""
+    hbm_bytes_per_s: float
+    """Peak memory bandwidth (the datasheet's)."""
 
 
 GPUS = {
-    "h100-80gb": GPUSpec(name="h100-80gb", memory_bytes=81559 << 20),
-    "h200-141gb": GPUSpec(name="h200-141gb", memory_bytes=143771 << 20),
+    "h100-80gb": GPUSpec(name="h100-80gb", memory_bytes=81559 << 20, hbm_bytes_per_s=3.35e12),
+    "h200-141gb": GPUSpec(name="h200-141gb", memory_bytes=143771 << 20, hbm_bytes_per_s=4.8e12),
 }
 
 
@@ -149,8 +182,12 @@ class Workload:
     """bf16 training parameters with fp32 grads and Adam (else all fp32)."""
     distributed_optimizer: bool = True
     """Shard Adam state over the DP x CP ranks."""
-    recompute: Literal["none", "full"] = "none"
-    """Activation recompute (the trainer has none today: 'full' is for planning)."""
+    policy_recompute: Recompute = NO_RECOMPUTE
+    """The policy's activation recompute (recipe policy.recompute)."""
+    critic_recompute: Recompute = NO_RECOMPUTE
+    """The critic's activation recompute (recipe critic.recompute)."""
+    grad_reduce_in_fp32: bool = True
+    """fp32 gradient buffers (recipe gpu.grad_reduce_in_fp32; auto: on for bf16)."""
     uses_critic: bool = True
     """A critic trains next to the policy (GRPO/DAPO: no)."""
     rollout_tp: int = 1
@@ -159,8 +196,17 @@ class Workload:
     """Share of device memory vLLM takes when awake."""
     offload: Offload = "none"
     """What leaves the device, and when (OFFLOADS)."""
-    reserve_bytes: int = 4 * GIB
-    """Per-GPU memory no tensor count sees (CUDA context, NCCL, fragmentation)."""
+    enforce_eager: bool = False
+    """vLLM without CUDA graphs (rollout.enforce_eager)."""
+    reserve_bytes: int = 2 * GIB
+    """Per-GPU allocator fragmentation and what nothing else counts (besides the CUDA context
+    and NCCL buffers, which reserve_parts adds)."""
+    min_headroom_bytes: int = 8 * GIB
+    """Memory every phase must leave free."""
+    samples_per_step: int = 512 * 16
+    """Responses generated per step (algorithm.prompts_per_step x samples_per_prompt)."""
+    mean_response_fraction: float = 0.5
+    """Mean response length over the longest (for the rollout time; an estimate)."""
 
     @property
     def sequence_len(self) -> int:
@@ -202,10 +248,42 @@ class Plan:
     """KV bytes per token on one vLLM rank."""
     problems: list[str]
     """Why it does not divide or fit; empty when it fits."""
+    reserve: dict[str, int]
+    """The per-GPU reserve by part (reserve_parts), included in every phase."""
 
     @property
     def peak(self) -> int:
         return max(self.phases.values())
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host memory per GPU holding the offloaded training state (0 without)."""
+        if self.workload.offload != "rollout":
+            return 0
+        return sum(m.state for m in (self.policy_memory, self.critic_memory) if m is not None)
+
+    @property
+    def headroom(self) -> int:
+        """Memory the fullest phase leaves free."""
+        return self.gpu.memory_bytes - self.peak
+
+    @property
+    def rollout_seconds(self) -> float:
+        """Estimated generation time of one step: each replica decodes its share of the
+        step's responses, ``concurrent`` at a time (as many mean-length sequences as the KV
+        cache holds), each decode step reading the rank's weight shard and the batch's KV
+        (half the mean length on average) at DECODE_EFFICIENCY of the HBM bandwidth."""
+        work = self.workload
+        replicas = work.world_size // work.rollout_tp
+        per_replica = work.samples_per_step / replicas
+        mean_response = work.response_len * work.mean_response_fraction
+        mean_len = work.prompt_len + mean_response
+        concurrent = min(per_replica, self.kv_cache / (self.kv_bytes_per_token * mean_len))
+        if concurrent < 1:
+            return math.inf
+        decode_steps = per_replica / concurrent * mean_response
+        step_bytes = self.vllm_weights + concurrent * self.kv_bytes_per_token * mean_len / 2
+        return decode_steps * step_bytes / (self.gpu.hbm_bytes_per_s * DECODE_EFFICIENCY)
 
     @property
     def fits(self) -> bool:
@@ -252,9 +330,10 @@ def model_memory(
     param_bytes = 2 if work.bf16 else 4
     adam_bytes = 12 if work.bf16 else 8
     shards = work.world_size // (layout.tp * layout.pp) if work.distributed_optimizer else 1
+    grad_bytes = 4 if work.grad_reduce_in_fp32 or not work.bf16 else 2
     return ModelMemory(
         params=params * param_bytes,
-        grads=params * 4,
+        grads=params * grad_bytes,
         optimizer=math.ceil(params * adam_bytes / shards),
         activations=activation_bytes(hf, layout, work, head=head),
     )
@@ -274,15 +353,46 @@ def activation_bytes(hf: HFModelConfig, layout: ModelLayout, work: Workload, *, 
     else:
         per_token_layer = 2 * (sharded / tp + replicated)
     layer = per_token_layer * tokens
+    layer_input = tokens * 2 * h / (tp if layout.sequence_parallel else 1)
     in_flight = 1.0 if pp == 1 else 1.0 + ((pp - 1) / (pp * layout.vpp) if layout.vpp else 0.0)
-    if work.recompute == "full":
-        stored = hf.num_layers * tokens * 2 * h / (tp if layout.sequence_parallel else 1)
-    else:
-        stored = hf.num_layers * layer
-    total = stored * in_flight + layer  # plus the layer whose backward is running
+    granularity, method, num_layers = (
+        work.policy_recompute if head == "lm" else work.critic_recompute
+    )
+    stage_layers = hf.num_layers // pp
+    live = layer  # the layer whose backward is running
+    if granularity != "full":
+        stage = stage_layers * layer
+    elif method == "uniform":
+        stage = math.ceil(stage_layers / num_layers) * layer_input
+        live = num_layers * layer  # one recomputed group at a time
+    else:  # block: the first num_layers of the stage recomputed, the rest stored
+        recomputed = min(num_layers, stage_layers)
+        stage = recomputed * layer_input + (stage_layers - recomputed) * layer
+    total = stage * pp * in_flight + live
     if head == "lm":
-        total += tokens * hf.padded_vocab_size(tp) // tp * 10
+        vocab_local = hf.padded_vocab_size(tp) // tp
+        total += tokens * vocab_local * LOGIT_BYTES
+        total += min(tokens, LOGPROB_CHUNK_TOKENS) * vocab_local * LOGIT_CHUNK_BYTES
     return math.ceil(total)
+
+
+def reserve_parts(
+    policy: ModelLayout, critic: ModelLayout | None, work: Workload
+) -> dict[str, int]:
+    """The per-GPU memory no tensor count sees, by part (estimates): the CUDA context, NCCL
+    buffers of each communicator a rank uses (per model TP, CP, DP x CP and model-parallel
+    when larger than 1, PP p2p; the world; vLLM's TP group and its world), fragmentation."""
+    communicators = 2  # the world (barriers, broadcasts) and vLLM's world
+    for layout in (lay for lay in (policy, critic) if lay is not None):
+        sizes = (layout.tp, layout.cp, work.world_size // (layout.tp * layout.pp),
+                 layout.tp * layout.pp, layout.pp)  # fmt: skip
+        communicators += sum(1 for size in sizes if size > 1)
+    communicators += work.rollout_tp > 1
+    return {
+        "cuda_context": CUDA_CONTEXT,
+        "nccl": communicators * NCCL_PER_COMMUNICATOR,
+        "fragmentation": work.reserve_bytes,
+    }
 
 
 def plan(
@@ -301,35 +411,38 @@ def plan(
         empty = ModelMemory(params=0, grads=0, optimizer=0, activations=0)
         return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, policy_memory=empty,
                     critic_memory=None, phases={}, vllm_weights=0, kv_cache=0,
-                    kv_bytes_per_token=1, problems=problems)  # fmt: skip
+                    kv_bytes_per_token=1, problems=problems, reserve={})  # fmt: skip
     pol = model_memory(hf, policy, work, head="lm")
     cri = model_memory(hf, critic, work, head="value") if critic is not None else None
     models = [m for m in (pol, cri) if m is not None]
     resident = sum(m.state for m in models)
     if work.offload == "optimizer":
         resident -= sum(m.optimizer for m in models)
-    during_rollout = resident
-    if work.offload == "rollout":
-        during_rollout = sum(m.params for m in models)
+    during_rollout, during_sync = resident, resident
+    if work.offload == "rollout":  # all off while vLLM is awake; the sync reads policy params
+        during_rollout, during_sync = 0, pol.params
     vllm_budget = int(work.gpu_memory_utilization * gpu.memory_bytes)
     vllm_weights = total_param_count(hf, head="lm") * 2 // work.rollout_tp
     kv_heads_per_rank = max(hf.num_key_value_heads // work.rollout_tp, 1)
     kv_per_token = 2 * hf.num_layers * kv_heads_per_rank * hf.head_dim * 2
-    kv_cache = vllm_budget - vllm_weights - VLLM_OVERHEAD
+    graphs = 0 if work.enforce_eager else VLLM_CUDA_GRAPHS
+    kv_cache = vllm_budget - vllm_weights - VLLM_OVERHEAD - graphs
     largest_tensor = hf.padded_vocab_size(1) * hf.hidden_size * 2  # gathered embedding, bf16
     phases = {
         "rollout": during_rollout + vllm_budget,
-        "weight_sync": during_rollout + vllm_weights + SYNC_BUCKET + largest_tensor,
+        "weight_sync": during_sync + vllm_weights + SYNC_BUCKET + largest_tensor,
         "policy_update": resident + pol.activations,
     }
     if cri is not None:
         phases["critic_update"] = resident + cri.activations
-    phases = {name: b + work.reserve_bytes for name, b in phases.items()}
+    reserve = reserve_parts(policy, critic, work)
+    phases = {name: b + sum(reserve.values()) for name, b in phases.items()}
     for name, need in phases.items():
-        if need > gpu.memory_bytes:
+        if need + work.min_headroom_bytes > gpu.memory_bytes:
             problems.append(
-                f"{name} needs {need / GIB:.1f} GiB per GPU, more than the "
-                f"{gpu.memory_bytes / GIB:.1f} GiB of a {gpu.name}"
+                f"{name} needs {need / GIB:.1f} GiB per GPU, leaving "
+                f"{(gpu.memory_bytes - need) / GIB:.1f} of the {gpu.memory_bytes / GIB:.1f} GiB "
+                f"of a {gpu.name}; {work.min_headroom_bytes / GIB:.0f} GiB of headroom wanted"
             )
     if kv_cache < kv_per_token * work.sequence_len:
         problems.append(
@@ -341,18 +454,18 @@ def plan(
     return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, policy_memory=pol,
                 critic_memory=cri, phases=phases, vllm_weights=vllm_weights,
                 kv_cache=max(kv_cache, 0), kv_bytes_per_token=kv_per_token,
-                problems=problems)  # fmt: skip
+                problems=problems, reserve=reserve)  # fmt: skip
 
 
 def max_vllm_utilization(
     hf: HFModelConfig, gpu: GPUSpec, policy: ModelLayout, critic: ModelLayout | None, work: Workload
 ) -> float:
     """The largest gpu_memory_utilization (two decimals, at most 0.9) whose rollout phase fits
-    beside the training state; 0 when none does."""
+    beside the training state with the headroom left; 0 when none does."""
     probe = plan(hf, gpu, policy, critic, replace(work, gpu_memory_utilization=0.0))
     if not probe.phases:
         return 0.0
-    free = gpu.memory_bytes - probe.phases["rollout"]
+    free = gpu.memory_bytes - work.min_headroom_bytes - probe.phases["rollout"]
     return max(0.0, min(0.9, math.floor(100 * free / gpu.memory_bytes) / 100))
 
 
@@ -402,21 +515,38 @@ def layout_summary(layout: ModelLayout, world_size: int) -> dict[str, object]:
             "sequence_parallel": layout.sequence_parallel}  # fmt: skip
 
 
+def recompute_label(recompute: Recompute) -> str:
+    granularity, method, num_layers = recompute
+    if granularity is None:
+        return "none"
+    return granularity if granularity == "selective" else f"full {method} {num_layers}"
+
+
 def plan_summary(result: Plan) -> dict[str, object]:
-    """The JSON the planner prints last: fits, layout, peak_gib, and the problems."""
+    """The JSON the planner prints last: fits, layout, peak and headroom, KV capacity."""
     work = result.workload
     layout: dict[str, object] = {"policy": layout_summary(result.policy, work.world_size)}
     if result.critic is not None:
         layout["critic"] = layout_summary(result.critic, work.world_size)
     layout.update(rollout_tp=work.rollout_tp, gpu_memory_utilization=work.gpu_memory_utilization,
-                  offload=work.offload, recompute=work.recompute)  # fmt: skip
-    return {"fits": result.fits, "layout": layout,
-            "peak_gib": round(result.peak / GIB, 2) if result.phases else None,
-            "problems": result.problems}  # fmt: skip
+                  offload=work.offload, policy_recompute=recompute_label(work.policy_recompute),
+                  critic_recompute=recompute_label(work.critic_recompute))  # fmt: skip
+    out: dict[str, object] = {"fits": result.fits, "layout": layout, "peak_gib": None}
+    if result.phases:
+        out.update(
+            peak_gib=round(result.peak / GIB, 2),
+            headroom_gib=round(result.headroom / GIB, 2),
+            kv_sequences_per_replica=round(result.concurrent_sequences, 1),
+            rollout_seconds_estimated=round(result.rollout_seconds),
+            host_gib_per_gpu=round(result.host_bytes / GIB, 2),
+        )
+    out["problems"] = result.problems
+    return out
 
 
 def format_plan(result: Plan, title: str) -> str:
-    """A readable table of one plan: layouts, per-GPU memory by kind and by phase, vLLM."""
+    """A readable table of one plan: layouts, per-GPU memory by kind and by phase, vLLM; each
+    figure labelled exact, measured (on CPU) or estimated."""
     work, gib = result.workload, lambda b: f"{b / GIB:7.2f} GiB"
     lines = [f"== {title}: {'fits' if result.fits else 'DOES NOT FIT'} =="]
 
@@ -427,31 +557,45 @@ def format_plan(result: Plan, title: str) -> str:
         sp = " sp" if layout.sequence_parallel else ""
         return f"tp{layout.tp} pp{layout.pp}{vpp} cp{layout.cp} dp{dp}{sp}"
 
-    models = [("policy", result.policy, result.policy_memory)]
+    models = [("policy", result.policy, result.policy_memory, work.policy_recompute)]
     if result.critic is not None:
-        models.append(("critic", result.critic, result.critic_memory))
-    lines.append(f"{'':30}" + "".join(f"{name:>26}" for name, _, _ in models))
-    lines.append(f"{'layout':30}" + "".join(f"{fmt(lay):>26}" for _, lay, _ in models))
+        models.append(("critic", result.critic, result.critic_memory, work.critic_recompute))
+    lines.append(f"{'':44}" + "".join(f"{m[0]:>24}" for m in models))
+    lines.append(f"{'layout':44}" + "".join(f"{fmt(m[1]):>24}" for m in models))
+    lines.append(f"{'recompute':44}" + "".join(f"{recompute_label(m[3]):>24}" for m in models))
     if result.phases:
         shards = "DP x CP" if work.distributed_optimizer else "not sharded"
-        rows = [("params (bf16)" if work.bf16 else "params (fp32)", "params"),
-                ("grads (fp32)", "grads"), (f"Adam state ({shards})", "optimizer"),
-                (f"activations ({work.recompute} recompute)", "activations")]  # fmt: skip
+        grad = "fp32" if work.grad_reduce_in_fp32 or not work.bf16 else "bf16"
+        rows = [("params (bf16) [exact]" if work.bf16 else "params (fp32) [exact]", "params"),
+                (f"grads ({grad}) [exact]", "grads"), (f"Adam ({shards}) [exact]", "optimizer"),
+                ("activations [estimated; logits measured]", "activations")]  # fmt: skip
         for label, attr in rows:
-            cells = "".join(f"{gib(getattr(mem, attr)):>26}" for _, _, mem in models)
-            lines.append(f"{label:30}{cells}")
+            cells = "".join(f"{gib(getattr(m[2], attr)):>24}" for m in models)
+            lines.append(f"{label:44}{cells}")
         replicas = work.world_size // work.rollout_tp
         lines.append(
             f"vLLM TP {work.rollout_tp} ({replicas} replicas), gpu_memory_utilization "
-            f"{work.gpu_memory_utilization:.2f}: weights {gib(result.vllm_weights).strip()}, "
-            f"KV cache {gib(result.kv_cache).strip()} per GPU = "
+            f"{work.gpu_memory_utilization:.2f}: weights {gib(result.vllm_weights).strip()} "
+            f"[exact], KV cache {gib(result.kv_cache).strip()} per GPU [estimated] = "
             f"{result.concurrent_sequences:.1f} full {work.sequence_len}-token sequences per "
             "replica"
         )
-        lines.append(f"offload: {work.offload} ({OFFLOADS[work.offload]}); "
-                     f"reserve {gib(work.reserve_bytes).strip()} per GPU")  # fmt: skip
+        seconds = result.rollout_seconds
+        lines.append(
+            f"rollout of {work.samples_per_step} responses (mean "
+            f"{work.mean_response_fraction:.0%} of {work.response_len} tokens): about "
+            f"{seconds / 60:.0f} min per step [estimated, memory-bound decode at "
+            f"{DECODE_EFFICIENCY:.0%} of {result.gpu.hbm_bytes_per_s / 1e12:.2f} TB/s]"
+        )
+        lines.append(f"offload: {work.offload} ({OFFLOADS[work.offload]})")
+        if result.host_bytes:
+            lines.append(f"  pinned host memory {gib(result.host_bytes).strip()} per GPU [exact]")
+        parts = ", ".join(f"{name} {b / GIB:.2f}" for name, b in result.reserve.items())
+        lines.append(f"reserve {gib(sum(result.reserve.values())).strip()} per GPU "
+                     f"[estimated: {parts} GiB]")  # fmt: skip
         lines.append(f"per-GPU peak by phase (of {gib(result.gpu.memory_bytes).strip()}):")
         for name, need in result.phases.items():
-            lines.append(f"  {name:22}{gib(need)}")
+            free = result.gpu.memory_bytes - need
+            lines.append(f"  {name:22}{gib(need)}   headroom {gib(free)}")
     lines += [f"  problem: {p}" for p in result.problems]
     return "\n".join(lines)
