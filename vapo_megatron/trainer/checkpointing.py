@@ -305,6 +305,8 @@ class CheckpointSaver:
         _save(_rng_state(), tmp / "rng" / _rank_file(rank))
         requests = []
         for name, state in models.items():
+            for opt in _sub_optimizers(state.optimizer):  # e.g. a policy frozen so far
+                _give_fresh_state_a_step(opt)
             model_sd = _model_sharded_state(state)
             # Built before the model's save, which applies its factories in place: the
             # optimizer finds its parameters in the model's sharded state by tensor identity.
@@ -657,10 +659,11 @@ def _load_optimizer(opt: MegatronOptimizer, loaded: dict[str, Any]) -> None:
 
 
 def _give_fresh_state_a_step(opt: MegatronOptimizer) -> None:
-    """The distributed optimizer's ``state_dict`` (which its loading sharded state starts from)
-    reads torch Adam's per-parameter ``step``, which a fresh optimizer (no state before its
-    first step) lacks: it gets megatron's initial moments and a zero step, one per parameter.
-    (Transformer Engine's and Apex's Adam keep the step in the parameter groups.)"""
+    """The distributed optimizer's ``state_dict`` (which its sharded state starts from, saving
+    and loading) reads torch Adam's per-parameter ``step``, which an optimizer that has not
+    stepped yet lacks: it gets megatron's initial moments and a zero step, one per parameter,
+    which is what torch's Adam would create at its first step. (Transformer Engine's and
+    Apex's Adam keep the step in the parameter groups.)"""
     if not isinstance(opt, DistributedOptimizer) or not isinstance(
         opt.optimizer, torch.optim.Adam | torch.optim.AdamW
     ):

@@ -1,10 +1,11 @@
 """Worker: a training checkpoint saved at one layout resumes at another, and the following steps
 stay close to the uninterrupted run.
 
-``save`` (2 ranks), per case: train policy and critic 2 steps from HF weights, save, train 2
-more steps; rank 0 writes what the uninterrupted run did in steps 3-4 (gradient norms, learning
-rates, the HF weights after step 4) to ``<case>/reference.pt``. ``load`` (1 rank): fresh engines
-at DP1 TP1 from other random weights load the checkpoint, train steps 3-4, and compare.
+``save`` (2 ranks), per case: train policy and critic 2 steps (0 for ``-unstepped``) from HF
+weights, save, train 2 more steps; rank 0 writes what the uninterrupted run did in those 2
+steps (gradient norms, learning rates, the HF weights after them) to ``<case>/reference.pt``.
+``load`` (1 rank): fresh engines at DP1 TP1 from other random weights load the checkpoint,
+train 2 steps, and compare.
 
 Cases: ``DP2`` (distributed optimizer, default ``dp_reshardable`` format, loaded at DP1),
 ``TP2-full`` (distributed optimizer saved ``fully_reshardable``, loaded at TP1), ``TP2-plain``
@@ -37,10 +38,11 @@ from vapo_megatron.trainer.checkpointing import (
     step_dir_name,
 )
 
-CASES = {  # name: (saved layout, distributed optimizer, fully_reshardable)
-    "DP2": (ModelLayout(), True, False),
-    "TP2-full": (ModelLayout(tp=2), True, True),
-    "TP2-plain": (ModelLayout(tp=2), False, False),
+CASES = {  # name: (saved layout, distributed optimizer, fully_reshardable, steps before the save)
+    "DP2": (ModelLayout(), True, False, 2),
+    "TP2-full": (ModelLayout(tp=2), True, True, 2),
+    "TP2-plain": (ModelLayout(tp=2), False, False, 2),
+    "DP2-unstepped": (ModelLayout(), True, False, 0),  # a policy frozen until the save
 }
 GRAD_NORM_RTOL = 1e-5
 """fp32 sums in another order: ~1e-7 relative per reduction, a few reductions deep."""
@@ -66,7 +68,7 @@ def hf_weights(run: Run) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def make_run(case: str, *, layout: ModelLayout, hf_sds, samples) -> Run:
-    _, distopt, fully_reshardable = CASES[case]
+    _, distopt, fully_reshardable, _ = CASES[case]
     run = Run(layout, distopt, torch.float32, hf_sds, samples, with_weights=False)
     run.states = {
         name: dataclasses.replace(state, fully_reshardable=fully_reshardable)
@@ -76,12 +78,12 @@ def make_run(case: str, *, layout: ModelLayout, hf_sds, samples) -> Run:
 
 
 def save_phase(root: Path, samples, hf_sds) -> None:
-    for case, (layout, _, _) in CASES.items():
+    for case, (layout, _, _, before) in CASES.items():
         run = make_run(case, layout=layout, hf_sds=hf_sds, samples=samples)
-        for _ in (1, 2):
+        for _ in range(before):
             run.train_step()
-        save_train_checkpoint(root / case, 2, run.states, {"step": 2}, keep_last=1)
-        steps = [record(run) for _ in (3, 4)]
+        save_train_checkpoint(root / case, before, run.states, {"step": before}, keep_last=1)
+        steps = [record(run) for _ in (1, 2)]
         weights = hf_weights(run)
         if dist.get_rank() == 0:
             torch.save({"steps": steps, "weights": weights}, root / case / "reference.pt")
@@ -123,8 +125,9 @@ def load_phase(root: Path, samples) -> None:
         run = make_run(case, layout=ModelLayout(), hf_sds=None, samples=samples)
         if case == "DP2":
             check_old_format_refused(root, run)
-        assert load_train_checkpoint(root / case, run.states) == {"step": 2}
-        steps = [record(run) for _ in (3, 4)]
+        before = CASES[case][3]
+        assert load_train_checkpoint(root / case, run.states) == {"step": before}
+        steps = [record(run) for _ in (1, 2)]
         weights = hf_weights(run)
         want = torch.load(root / case / "reference.pt")
         grad_rel = 0.0
@@ -140,7 +143,7 @@ def load_phase(root: Path, samples) -> None:
         assert grad_rel <= GRAD_NORM_RTOL, f"{case}: grad norms differ by {grad_rel:.2e} relative"
         assert weight_abs <= WEIGHT_ATOL, f"{case}: weights differ by {weight_abs:.2e}"
         print(
-            f"{case} -> DP1 TP1: steps 3-4 grad norms within {grad_rel:.1e} relative, weights "
+            f"{case} -> DP1 TP1: next 2 steps' grad norms within {grad_rel:.1e} relative, weights "
             f"within {weight_abs:.1e}"
         )
 
