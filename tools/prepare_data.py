@@ -198,7 +198,7 @@ def _as_plain_jsonl(path: Path, tmp: Path, data_source: str) -> Path:
                 value = str(value)  # AIME answers are integers 0..999; the grader reads strings
             plain = {"prompt": row.get(problem), "answer": value}
             plain["data_source"] = row.get("data_source") or data_source
-            for key in ("id", "ID", "url", "year"):
+            for key in ("id", "ID", "problem_idx", "url"):
                 if row.get(key) is not None:
                     plain["id"] = str(row[key])
                     break

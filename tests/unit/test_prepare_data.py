@@ -137,3 +137,31 @@ def test_a_missing_local_source_is_not_taken_for_a_dataset_id(tmp_path):
     done = run("aime-2024", "--source", tmp_path / "nope.parquet", "--out", tmp_path / "o.parquet")
     assert done.returncode == 2
     assert "not a data file here and not a Hugging Face dataset id" in done.stderr
+
+
+def test_a_dataset_id_is_downloaded_and_its_data_files_read(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    sys.path.insert(0, str(TOOL.parent))
+    import prepare_data
+
+    snapshot = tmp_path / "snapshot"
+    (snapshot / "data").mkdir(parents=True)
+    (snapshot / "README.md").write_text("card")
+    rows = [{"problem_idx": 1, "problem": "Find x.", "answer": 204}]
+    pq.write_table(pa.Table.from_pylist(rows), snapshot / "data" / "train-0.parquet")
+    calls = []
+
+    def fake_download(**kwargs):
+        calls.append(kwargs)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    files = prepare_data.source_files("MathArena/aime_2024_I")
+    assert files == [snapshot / "data" / "train-0.parquet"]
+    assert calls == [{"repo_id": "MathArena/aime_2024_I", "repo_type": "dataset",
+                      "allow_patterns": ["*.parquet", "*.jsonl", "*.json"]}]  # fmt: skip
+    out = tmp_path / "aime.parquet"
+    assert prepare_data.prepare("aime-2024", files, out, 0.01)["kept"] == 1
+    records, _ = load_prompts(out)
+    assert records[0].answer == "204" and records[0].extra["index"] == "1"
