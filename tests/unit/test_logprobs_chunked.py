@@ -106,6 +106,10 @@ def test_chunked_peak_memory():
     labels = torch.randint(0, vocab - 64, (num_tokens,), generator=gen)
     grad_bytes = logits.numel() * logits.element_size()
     peaks = {c: _peak_bytes(logits, labels, vocab - 64, c) for c in (num_tokens, 1024, 256)}
+    print(  # pytest -s shows the measurement (docs/scaling.md quotes it)
+        f"logits {grad_bytes / 2**20:.0f} MiB bf16; peak above them by chunk_tokens: "
+        + ", ".join(f"{c}: {p / 2**20:.1f} MiB" for c, p in peaks.items())
+    )
     for chunk_tokens, peak in peaks.items():
         chunk_fp32 = chunk_tokens * vocab * 4
         assert peak <= grad_bytes + 5 * chunk_fp32 + 2**20, (chunk_tokens, peak)
