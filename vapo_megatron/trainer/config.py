@@ -248,6 +248,10 @@ class TrainerSettings:
     """Save every this many steps (0: only at the end and on SIGTERM/SIGUSR1)."""
     keep_last: int = 2
     """Checkpoints kept."""
+    checkpoint_async: bool = False
+    """Write checkpoints in the background: the step waits for the host copies only; published once every rank's writer is done (checked before each step; the next save, preemption, the end and rollout.offload_training_state wait for it)."""
+    checkpoint_fully_reshardable: bool = False
+    """Save a distributed optimizer's state fully reshardable (a resume may change TP/PP; the save gathers each DP group's state in host memory) instead of dp_reshardable (a resume may change DP/CP only)."""
     export_hf: bool = True
     """Write the trained policy as an HF directory (run_dir/hf_policy) at the end."""
     local_world_size: int = 1

@@ -17,13 +17,14 @@ import torch.distributed as dist
 
 from vapo_megatron.algorithms.value_pretrain import ValuePretrainStop
 from vapo_megatron.models import hf_io
+from vapo_megatron.models.checkpoint import make_metadata
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.trainer.checkpointing import (
+    CheckpointSaver,
     TrainableState,
     latest_step,
     load_train_checkpoint,
-    save_train_checkpoint,
 )
 from vapo_megatron.trainer.config import TrainConfig
 from vapo_megatron.trainer.evaluation import evaluate
@@ -108,14 +109,36 @@ class Run:
             )  # fmt: skip
         if session.critic is not None and session.critic_pretrained:
             self.state["pretrain_done"] = True
+        self.saver = CheckpointSaver(asynchronous=cfg.trainer.checkpoint_async)
 
     def models(self) -> dict[str, TrainableState]:
-        out = {"policy": TrainableState.from_engine(self.session.policy)}
-        if self.session.critic is not None:
-            out["critic"] = TrainableState.from_engine(self.session.critic)
+        hf_config = hf_io.read_config(self.cfg.model.path)  # as export_hf writes both models
+        out = {}
+        for name, engine in (("policy", self.session.policy), ("critic", self.session.critic)):
+            if engine is None:
+                continue
+            # With weights metadata, each step's <model>/weights exports to HF as it is.
+            meta = make_metadata(
+                hf_config, head=engine.head, tp=engine.layout.tp, pp=engine.layout.pp,
+                dtype=engine.config.params_dtype, origin={"run_dir": str(self.session.run_dir)},
+            )  # fmt: skip
+            out[name] = TrainableState.from_engine(
+                engine, weights_meta=meta,
+                fully_reshardable=self.cfg.trainer.checkpoint_fully_reshardable,
+            )  # fmt: skip
         return out
 
-    def save(self) -> None:
+    def before_step(self) -> None:
+        """Publish a checkpoint written in the background once every rank is done with it;
+        wait for it when the step starts by offloading the training state."""
+        if self.cfg.rollout.offload_training_state:
+            self.saver.finish()
+        else:
+            self.saver.poll()
+
+    def save(self, *, wait: bool = False) -> None:
+        """Checkpoint the run (in the background with trainer.checkpoint_async, unless
+        ``wait``: preemption and the end of the run wait until it is published)."""
         for engine in (self.session.policy, self.session.critic):
             if engine is not None:  # whole parameters, with overlap_param_gather
                 engine.gather_params()
@@ -124,10 +147,12 @@ class Run:
             "sampler": self.session.sampler.state_dict(),
             "stop_rule": None if self.stop_rule is None else self.stop_rule.state_dict(),
         }
-        save_train_checkpoint(
+        self.saver.save(
             self.root, self._checkpoint_index(), self.models(), extra,
             keep_last=self.cfg.trainer.keep_last, group=self.session.host_group,
         )  # fmt: skip
+        if wait:
+            self.saver.finish()
 
     def _checkpoint_index(self) -> int:
         # Pretraining steps and VAPO steps share one increasing checkpoint numbering.
@@ -170,6 +195,7 @@ def train(config: TrainConfig) -> dict:
         # Critic pretraining (frozen policy, Monte-Carlo returns) until the stop rule says so.
         if run.stop_rule is not None and not run.state["pretrain_done"]:
             while True:
+                run.before_step()
                 step = run.state["pretrain_step"] + 1
                 metrics = run_step(
                     session, PRETRAIN_SEED_KEY + step, pretrain=True, pretrain_index=step
@@ -181,7 +207,7 @@ def train(config: TrainConfig) -> dict:
                 ):
                     break
                 if flag.should_save(host):
-                    run.save()
+                    run.save(wait=True)
                     return _preempted(session, run)
             export_hf(
                 session.critic, session.pretrained_critic_dir(),
@@ -196,6 +222,7 @@ def train(config: TrainConfig) -> dict:
             last_eval = (0, evaluate(session, 0))
             metrics_log.log(0, last_eval[1], phase="eval")
         while run.state["step"] < config.trainer.steps:
+            run.before_step()
             step = run.state["step"] + 1
             metrics = run_step(session, step, pretrain=False)
             run.state["step"] = step
@@ -203,8 +230,8 @@ def train(config: TrainConfig) -> dict:
             preempted = flag.should_save(host)
             every = config.trainer.checkpoint_every
             if preempted or (every and step % every == 0 and step < config.trainer.steps):
-                started = time.perf_counter()
-                run.save()
+                started = time.perf_counter()  # with checkpoint_async: the host copies only
+                run.save(wait=preempted)
                 metrics_log.log(
                     step, {"seconds": time.perf_counter() - started}, phase="checkpoint"
                 )
@@ -213,8 +240,9 @@ def train(config: TrainConfig) -> dict:
             if session.eval is not None and config.eval.every and step % config.eval.every == 0:
                 last_eval = (step, evaluate(session, step))
                 metrics_log.log(step, last_eval[1], phase="eval")
+        run.saver.finish()
         if latest_step(run.root) != run._checkpoint_index():
-            run.save()
+            run.save(wait=True)
         if session.eval is not None and config.eval.at_end:
             if last_eval is not None and last_eval[0] == run.state["step"]:
                 final = last_eval[1]  # the last step was just evaluated: not twice
