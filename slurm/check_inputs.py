@@ -121,7 +121,7 @@ class Checker:
             f"{report.num_skipped} skipped, {report.num_kept} prompts",
         )
 
-    def checkpoint(self, what: str, path: Path, head: str, make: str) -> None:
+    def checkpoint(self, what: str, path: Path, head: str, make: str, layout) -> None:
         """A vapo-megatron checkpoint of this model with this head; its layout is reported
         (a checkpoint saved at another TP/PP loads resharded)."""
         if not path.exists():
@@ -145,7 +145,10 @@ class Checker:
         except ValueError as err:
             self.fail("BAD", what, f"{err}; make it: {make}")
             return
-        self.ok(what, f"{meta.architecture}, saved at tp {meta.tp} pp {meta.pp}, {meta.dtype}")
+        saved = f"{meta.architecture}, saved at tp {meta.tp} pp {meta.pp}, {meta.dtype}"
+        if (meta.tp, meta.pp) != (layout.tp, layout.pp):
+            saved += f" (the recipe's tp {layout.tp} pp {layout.pp}: resharded on load)"
+        self.ok(what, saved)
 
     def policy(self) -> None:
         config = self.config
@@ -158,14 +161,14 @@ class Checker:
             f"python tools/convert.py hf-to-mcore --hf {config.model.path} --out {path} "
             f"--tp {layout.tp} --pp {layout.pp}"
         )
-        self.checkpoint(f"policy.load={path}", path, "lm", make)
+        self.checkpoint(f"policy.load={path}", path, "lm", make, layout)
 
     def critic(self) -> None:
         config = self.config
         if config.critic.pretrained:
             path = Path(config.critic.pretrained)
             make = "point it at a run's critic_pretrained directory"
-            self.checkpoint(f"critic.pretrained={path}", path, "value", make)
+            self.checkpoint(f"critic.pretrained={path}", path, "value", make, config.critic.layout)
             return
         if config.critic.init_path is None:
             self.ok("critic.init_path", f"unset: the critic starts from {config.model.path}")
@@ -173,7 +176,7 @@ class Checker:
         path = Path(config.critic.init_path)
         what = f"critic.init_path={path}"
         if path.exists():
-            self.checkpoint(what, path, "value", critic_start_help(config))
+            self.checkpoint(what, path, "value", critic_start_help(config), config.critic.layout)
             return
         make = critic_start_help(config)
         if self.reward_model and config.algorithm.critic_init == "reward_model":

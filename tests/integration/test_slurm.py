@@ -82,6 +82,8 @@ def test_dry_run_prints_and_validates(script: str, inputs: dict[str, str]) -> No
     assert f"ok       data.eval_path={inputs['EVAL_DATA']}: 40 rows" in out
     assert f"ok       policy.load={inputs['POLICY_LOAD']}: Qwen2ForCausalLM, saved at tp 8" in out
     assert f"ok       critic.init_path={inputs['CRITIC_INIT']}: Qwen2ForSequenceClass" in out
+    resharded = "(the recipe's tp 4 pp 1: resharded on load)"  # saved at TP 8, the 7B is TP 4
+    assert (resharded in out) == (script == "vapo_qwen7b_1node.sh")
     assert "MISSING" not in out and "BAD" not in out
     summary = last_json(out)
     assert summary["fits"] is True
