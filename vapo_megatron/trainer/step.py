@@ -287,13 +287,14 @@ def run_step(
         mask = torch.ones_like(values, dtype=torch.bool)
         ev = explained_variance(explained_variance_stats(returns, values, mask)).item()
         metrics["critic/explained_variance"] = ev
-        metrics["critic/values_mean"] = values.double().mean().item()
-        metrics["critic/returns_mean"] = returns.double().mean().item()
+        # float64 sums without float64 copies of the step's token buffers
+        metrics["critic/values_mean"] = values.sum(dtype=torch.float64).item() / values.numel()
+        metrics["critic/returns_mean"] = returns.sum(dtype=torch.float64).item() / returns.numel()
     if advantages is not None:
-        metrics["advantages/mean"] = advantages.double().mean().item()
-        metrics["advantages/std"] = (
-            advantages.double().std().item() if advantages.numel() > 1 else 0.0
-        )
+        advantages64 = advantages.double()
+        metrics["advantages/mean"] = advantages64.mean().item()
+        metrics["advantages/std"] = advantages64.std().item() if advantages.numel() > 1 else 0.0
+        del advantages64
     timer.lap("advantages")
 
     # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
