@@ -2,8 +2,8 @@
 
     python slurm/check_inputs.py RECIPE [section.key=value ...] [--hf-model ID] [--reward-model ID]
 
-One line per input: ``ok`` with what was found (data files load with the trainer's own loader
-and print their row counts; the model directory has a config and a tokenizer; the policy and
+One line per input: ``ok`` with what was found (data files are read as the trainer reads them,
+rows, graders and tokenized lengths included, and print their counts; the model directory has a config and a tokenizer; the policy and
 critic checkpoints are vapo-megatron checkpoints of this model with the right head), or
 ``MISSING`` / ``BAD`` with the command that makes it. The last line is JSON
 ``{"ok": bool, "missing": [...]}``. Exit status: 0 all present, 2 something missing or bad.
@@ -25,8 +25,10 @@ from vapo_megatron.data.prompts import load_prompts  # noqa: E402
 from vapo_megatron.models import checkpoint as mckpt  # noqa: E402
 from vapo_megatron.models import hf_io  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
+from vapo_megatron.rewards.registry import resolve_routing  # noqa: E402
 from vapo_megatron.trainer.config import TrainConfig, critic_start_help  # noqa: E402
 from vapo_megatron.trainer.recipe import load_recipe  # noqa: E402
+from vapo_megatron.trainer.session import import_plugins, read_prompts  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 """Any one of these makes a directory hold a tokenizer (with tokenizer_config.json or alone)."""
@@ -65,6 +67,7 @@ class Checker:
         self.reward_model = reward_model
         self.missing: list[str] = []
         self.hf: HFModelConfig | None = None
+        self.tokenizer = None
 
     def run(self) -> None:
         self.model_dir()
@@ -96,6 +99,9 @@ class Checker:
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             self.fail("MISSING", what, f"no tokenizer ({', '.join(TOKENIZER_FILES)}): {fetch}")
             return
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
         hf = self.hf
         self.ok(what, f"{hf.family}, {hf.num_layers} layers, hidden {hf.hidden_size}, tokenizer")
 
@@ -111,15 +117,26 @@ class Checker:
             self.fail("MISSING", what, make)
             return
         try:
-            _, report = load_prompts(path, dedup=data.dedup, max_bad_fraction=data.max_bad_fraction)
+            if self.tokenizer is None:  # no model here: the rows alone
+                _, report = load_prompts(
+                    path,
+                    default_data_source=data.default_data_source,
+                    dedup=data.dedup,
+                    max_bad_fraction=data.max_bad_fraction,
+                )
+                detail = (
+                    f"{report.num_rows} rows, {report.num_duplicates} duplicates, "
+                    f"{report.num_skipped} skipped, {report.num_kept} prompts (not tokenized)"
+                )
+            else:  # as the trainer reads it: rows, graders by data_source, template, length
+                import_plugins(self.config.reward.plugins)
+                routing = resolve_routing(self.config.reward.routing)
+                prompts = read_prompts(self.config, path, self.tokenizer, routing)
+                detail = prompts.report.removeprefix(f"{path}: ")
         except ValueError as err:
             self.fail("BAD", what, f"{err}; remake it: {make}")
             return
-        self.ok(
-            what,
-            f"{report.num_rows} rows, {report.num_duplicates} duplicates, "
-            f"{report.num_skipped} skipped, {report.num_kept} prompts",
-        )
+        self.ok(what, detail)
 
     def checkpoint(self, what: str, path: Path, head: str, make: str, layout) -> None:
         """A vapo-megatron checkpoint of this model with this head; its layout is reported

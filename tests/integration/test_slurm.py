@@ -79,6 +79,7 @@ def test_dry_run_prints_and_validates(script: str, inputs: dict[str, str]) -> No
     # The inputs: each one found, the data loaded by the trainer's loader with its row counts.
     assert f"ok       model.path={inputs['MODEL_PATH']}: qwen2, " in out
     assert f"ok       data.train_path={inputs['TRAIN_DATA']}: 400 rows, 0 duplicates" in out
+    assert "over 2048 tokens, 400 prompts" in out  # tokenized as the trainer does
     assert f"ok       data.eval_path={inputs['EVAL_DATA']}: 40 rows" in out
     assert f"ok       policy.load={inputs['POLICY_LOAD']}: Qwen2ForCausalLM, saved at tp 8" in out
     assert f"ok       critic.init_path={inputs['CRITIC_INIT']}: Qwen2ForSequenceClass" in out
@@ -122,8 +123,13 @@ def test_dry_run_names_each_missing_input_with_the_command_that_makes_it(tmp_pat
     assert last_json(done.stdout)["fits"] is True  # the plan is still printed
 
 
-def test_dry_run_refuses_checkpoints_of_the_wrong_kind(inputs: dict[str, str]) -> None:
-    swapped = dict(inputs, POLICY_LOAD=inputs["CRITIC_INIT"], CRITIC_INIT=inputs["POLICY_LOAD"])
+def test_dry_run_refuses_checkpoints_of_the_wrong_kind_and_bad_data(
+    inputs: dict[str, str], tmp_path: Path
+) -> None:
+    bad_data = tmp_path / "train.jsonl"
+    bad_data.write_text(json.dumps({"question": "Find x.", "solution": "204"}) + "\n")
+    swapped = dict(inputs, POLICY_LOAD=inputs["CRITIC_INIT"], CRITIC_INIT=inputs["POLICY_LOAD"],
+                   TRAIN_DATA=str(bad_data))  # fmt: skip
     done = subprocess.run(["bash", str(SLURM / "vapo_qwen7b_1node.sh")],
                           env=clean_env(DRY_RUN="1", SLURM_CPUS_PER_TASK="16", **swapped),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -134,6 +140,10 @@ def test_dry_run_refuses_checkpoints_of_the_wrong_kind(inputs: dict[str, str]) -
     assert f"BAD      critic.init_path={inputs['POLICY_LOAD']}: " in out
     assert "this is a policy checkpoint" in out
     assert "--cpus-per-task=16" in out  # the job's value, when sbatch set one
+    assert (
+        f"BAD      data.train_path={bad_data}: {bad_data}: columns ['question', 'solution'] " in out
+    )
+    assert out.count("remake it: python tools/prepare_data.py dapo-math-17k --source ") == 1
 
 
 def test_dry_run_refuses_a_world_the_recipe_cannot_use() -> None:
