@@ -184,6 +184,7 @@ def test_level_2_restores_module_tensors_vllm_does_not_save():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3))
     model[0].register_buffer("inv_freq", torch.arange(3.0))
     model[0].cos_sin = torch.linspace(0, 1, 6)  # the kind vLLM's level 2 loses
+    model[0].kv_cache = torch.zeros(4)  # vLLM binds the KV cache so: wakes empty, never saved
     assert list(unsaved_module_tensors(model)) == ["0.cos_sin"]
     worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
     assert save_unsaved_module_tensors(worker) == 1

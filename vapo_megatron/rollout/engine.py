@@ -506,11 +506,14 @@ class RolloutEngine:
 
 
 def unsaved_module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Tensors on the model's device held as plain attributes of its modules: neither parameters
-    (the sync rewrites those) nor registered buffers (vLLM's level-2 sleep saves and restores
-    those). vLLM allocates them in its weights pool while building the model, so level 2
-    discards them and nothing else brings them back; rotary caches kept outside
-    ``register_buffer`` are the known case (vLLM #16564, NeMo-RL #2631)."""
+    """Tensors on the model's device held as plain attributes of its modules: neither
+    parameters (the sync rewrites those) nor registered buffers (vLLM's level-2 sleep saves and
+    restores those: rotary ``cos_sin_cache``, attention ``_k_scale`` ...), nor the KV cache each
+    attention layer holds as ``kv_cache`` (its own pool, which wakes empty by design). vLLM
+    allocates such tensors in its weights pool while building the model, so level 2 discards
+    them and nothing else brings them back; rotary caches kept outside ``register_buffer`` were
+    the known case (vLLM #16564, NeMo-RL #2631). vLLM 0.32's Qwen2 holds none on the device
+    (``tests/integration/test_offload_vllm_tensors.py`` lists what its model holds)."""
     out: dict[str, torch.Tensor] = {}
     device = next(model.parameters()).device
     for module_name, module in model.named_modules():
@@ -521,6 +524,7 @@ def unsaved_module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 and not isinstance(value, torch.nn.Parameter)
                 and value.device == device
                 and id(value) not in registered
+                and name != "kv_cache"
             ):
                 out[f"{module_name}.{name}" if module_name else name] = value
     return out

@@ -17,8 +17,9 @@ Sleep levels (vLLM's):
   parameter; nothing restores the plain attributes, so ``RolloutEngine`` saves those on host
   before the sleep and copies them back after ``wake("weights")``
   (``engine.unsaved_module_tensors``; the garbage rollouts of vLLM #16564 / NeMo-RL #2631 came
-  from state of that kind). A regression shows as the per-step log-prob gap warning
-  (``rollout.logprob_gap_warn``): vLLM's log-probs stop matching the policy's.
+  from state of that kind; vLLM 0.32's Qwen2 keeps none on the device). A regression shows as
+  the per-step log-prob gap warning (``rollout.logprob_gap_warn``): vLLM's log-probs stop
+  matching the policy's.
 
 ``SleepState`` holds only the bookkeeping and raises ``EngineStateError`` on a wrong order
 (a sync into a sleeping engine, generating with the weights or the KV cache asleep, waking
