@@ -180,3 +180,16 @@ def test_session_starts_the_engine_with_the_state_off(monkeypatch):
     assert seen == {"off_at_start": True, "asleep_with_state_off": True}
     assert not engine.training_offload.offloaded
     assert not any(is_off(t) for e in (policy, critic) for t in state_tensors(e).values())
+
+
+def test_without_a_critic():
+    """GRPO/DAPO: the policy alone goes and comes back."""
+    policy, _ = trained_engines(False)
+    before = {n: t.clone() for n, t in state_tensors(policy).items()}
+    offload = TrainingOffload(policy)
+    offload.offload_for_weights()
+    assert not all(is_off(t) for t in state_tensors(policy).values())  # params stay
+    offload.offload_policy_params()
+    assert all(is_off(t) for t in state_tensors(policy).values())
+    offload.restore()
+    assert all(torch.equal(t, before[n]) for n, t in state_tensors(policy).items())
