@@ -231,12 +231,15 @@ def textbook_packed(rewards, values, mask, cu, lams, gamma):
     return out
 
 
+@pytest.mark.parametrize("block", [1 << 22, 7, 100])
 @pytest.mark.parametrize("scan_chunk", [2, 3, 64])
 @pytest.mark.parametrize("gaps", [False, True])
-def test_packed_scan_matches_textbook_loop_per_sequence(monkeypatch, scan_chunk, gaps):
+def test_packed_scan_matches_textbook_loop_per_sequence(monkeypatch, scan_chunk, gaps, block):
     # Lengths 0, 1, around the chunk size, and one long sequence: scans cut at every boundary,
-    # and small chunks force several levels of the chunk-start recursion.
+    # and small chunks force several levels of the chunk-start recursion; small blocks split
+    # the step into blocks of whole sequences (one sequence longer than a block included).
     monkeypatch.setattr(gae_module, "SCAN_CHUNK", scan_chunk)
+    monkeypatch.setattr(gae_module, "GAE_BLOCK_TOKENS", block)
     gen = torch.Generator().manual_seed(scan_chunk)
     lengths = torch.tensor([0, 1, 2, 3, 63, 64, 65, 0, 700, 5, 128, 1])
     num_tokens = int(lengths.sum())
@@ -313,3 +316,27 @@ def test_per_token_coefficients_both_ways(mean_length):
     per_seq = torch.rand(2, 40, generator=gen)
     expected = torch.repeat_interleave(per_seq, lengths, dim=1)
     assert torch.equal(gae_module._per_token(per_seq, cu), expected)
+
+
+def test_packed_gae_scans_in_blocks_of_whole_sequences(monkeypatch):
+    # 100 sequences of 100 tokens with 1,000-token blocks: no scan sees more than a block (plus
+    # the sequence that crosses its end), so the temporaries stay a block's size.
+    monkeypatch.setattr(gae_module, "GAE_BLOCK_TOKENS", 1000)
+    widths = []
+    scan = gae_module.segmented_reverse_cumsum
+
+    def recording(x, coef):
+        widths.append(x.shape[1])
+        return scan(x, coef)
+
+    monkeypatch.setattr(gae_module, "segmented_reverse_cumsum", recording)
+    cu = torch.arange(101) * 100
+    rewards = torch.zeros(10_000, dtype=torch.float64)
+    rewards[cu[1:] - 1] = 1.0
+    values = torch.rand(10_000, dtype=torch.float64)
+    mask = torch.ones(10_000, dtype=torch.bool)
+    lams = torch.rand(100, dtype=torch.float64)
+    adv, _ = gae_packed(rewards, values, mask, cu, lams, 0.99)
+    assert widths and max(widths) <= 1100, widths
+    ref = textbook_packed(rewards, values, mask, cu, lams, 0.99)
+    torch.testing.assert_close(adv, ref, atol=1e-10, rtol=1e-10)

@@ -29,6 +29,7 @@ import torch
 CHUNK = 16
 SCAN_CHUNK = 64  # tokens per chunk of the packed (segmented) scan
 SCAN_TILE = 16  # chunks per tile of its position-major layout
+GAE_BLOCK_TOKENS = 1 << 22  # tokens per block of whole sequences in packed GAE (memory bound)
 
 
 def length_adaptive_lambda(num_response_tokens: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -156,6 +157,33 @@ def segmented_reverse_cumsum(x: torch.Tensor, coef: torch.Tensor) -> torch.Tenso
 
 
 def _gae_flat(rewards, values, cu_seqlens, lams, gamma):
+    """GAE over packed sequences whose every token is a response token, in blocks of whole
+    sequences of about ``GAE_BLOCK_TOKENS`` tokens: sequences are independent, and the scan's
+    temporaries (~10 floats per token) then stay a block's size, not the step's.
+
+    rewards, values: [N]; cu_seqlens: [S + 1] on their device; lams: [K, S]. Returns
+    advantages [K, N].
+    """
+    num_tokens = rewards.numel()
+    if num_tokens <= GAE_BLOCK_TOKENS:
+        return _gae_block(rewards, values, cu_seqlens, lams, gamma)
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    out = torch.empty(lams.shape[0], num_tokens, dtype=dtype, device=rewards.device)
+    targets = torch.arange(
+        GAE_BLOCK_TOKENS, num_tokens, GAE_BLOCK_TOKENS, device=cu_seqlens.device
+    )  # a block ends at the first sequence boundary at or after each multiple
+    cuts = torch.searchsorted(cu_seqlens, targets).unique().tolist()
+    seq_bounds = [0, *(c for c in cuts if 0 < c < lams.shape[1]), lams.shape[1]]
+    for first, last in zip(seq_bounds[:-1], seq_bounds[1:], strict=True):
+        lo, hi = int(cu_seqlens[first]), int(cu_seqlens[last])
+        out[:, lo:hi] = _gae_block(
+            rewards[lo:hi], values[lo:hi], cu_seqlens[first : last + 1] - lo,
+            lams[:, first:last], gamma,
+        )  # fmt: skip
+    return out
+
+
+def _gae_block(rewards, values, cu_seqlens, lams, gamma):
     """GAE over packed sequences whose every token is a response token.
 
     rewards, values: [N]; cu_seqlens: [S + 1] on their device; lams: [K, S] float (K lambdas

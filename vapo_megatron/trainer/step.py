@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from vapo_megatron.trainer.model_engine import ModelEngine
 
 logger = logging.getLogger("vapo_megatron")
+STAT_BLOCK = 1 << 22  # tokens per block of the step's float64 metrics
 
 
 class Timer:
@@ -283,18 +284,23 @@ def run_step(
         advantages = adv.group_advantages(algo, rewards, offsets)
     if advantages is not None and trainer.whiten_advantages:
         advantages = adv.whiten(advantages)
+    # Statistics in float64 over blocks of tokens: no float64 copy of a whole step's buffer.
     if values is not None:
-        mask = torch.ones_like(values, dtype=torch.bool)
-        ev = explained_variance(explained_variance_stats(returns, values, mask)).item()
-        metrics["critic/explained_variance"] = ev
-        # float64 sums without float64 copies of the step's token buffers
+        stats = sum(
+            explained_variance_stats(r, v, torch.ones_like(r, dtype=torch.bool))
+            for r, v in zip(returns.split(STAT_BLOCK), values.split(STAT_BLOCK), strict=True)
+        )
+        metrics["critic/explained_variance"] = explained_variance(stats).item()
         metrics["critic/values_mean"] = values.sum(dtype=torch.float64).item() / values.numel()
         metrics["critic/returns_mean"] = returns.sum(dtype=torch.float64).item() / returns.numel()
     if advantages is not None:
-        advantages64 = advantages.double()
-        metrics["advantages/mean"] = advantages64.mean().item()
-        metrics["advantages/std"] = advantages64.std().item() if advantages.numel() > 1 else 0.0
-        del advantages64
+        count = advantages.numel()
+        mean = advantages.sum(dtype=torch.float64).item() / count
+        squares = sum(
+            (block.double() - mean).square().sum().item() for block in advantages.split(STAT_BLOCK)
+        )
+        metrics["advantages/mean"] = mean
+        metrics["advantages/std"] = math.sqrt(squares / (count - 1)) if count > 1 else 0.0
     timer.lap("advantages")
 
     # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
