@@ -49,10 +49,17 @@ def last_json(stdout: str) -> dict:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict[str, str]:
-    """Everything a dry run checks, in place: the tiny model (config, tokenizer) and its data,
-    and policy / critic checkpoint directories carrying their vapo_checkpoint.json."""
+    """Everything a dry run checks, in place: the tiny model (config, tokenizer), its data as
+    tools/prepare_data.py writes it, and policy / critic checkpoint directories carrying their
+    vapo_checkpoint.json."""
     root = tmp_path_factory.mktemp("inputs")
     assets = make_assets(root / "assets")
+    for dataset, key in (("dapo-math-17k", "data.train_path"), ("aime-2024", "data.eval_path")):
+        out = root / f"{dataset}.parquet"
+        subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "prepare_data.py"), dataset,
+                        "--source", assets[key], "--out", str(out)],
+                       check=True, capture_output=True, timeout=120)  # fmt: skip
+        assets[key] = str(out)
     hf_config = hf_io.read_config(assets["model.path"])
     for name, head in (("policy", "lm"), ("critic", "value")):
         meta = mckpt.make_metadata(hf_config, head=head, tp=8, pp=1, dtype=torch.bfloat16)
