@@ -23,8 +23,8 @@ pytestmark = pytest.mark.unit
 def save(root, step, keep_last=0, token="abcd"):
     """What save_train_checkpoint does on disk, minus the tensors."""
     tmp = root / f"{step_dir_name(step)}.tmp-{token}"
-    (tmp / "policy").mkdir(parents=True)
-    (tmp / "policy" / "rank_00000.pt").write_text(f"state of step {step}")
+    (tmp / "policy" / "weights").mkdir(parents=True)
+    (tmp / "policy" / "weights" / "__0_0.distcp").write_text(f"state of step {step}")
     return publish(tmp, root, step, keep_last=keep_last)
 
 
@@ -42,7 +42,7 @@ def test_publish_marks_renames_and_points_latest(tmp_path):
     final = save(tmp_path, 7)
     assert final == tmp_path / "step_00000007"
     assert (final / MARKER).is_file()
-    assert (final / "policy" / "rank_00000.pt").read_text() == "state of step 7"
+    assert (final / "policy" / "weights" / "__0_0.distcp").read_text() == "state of step 7"
     assert (tmp_path / LATEST).read_text() == "7\n"
     assert names(tmp_path) == [LATEST, "step_00000007"]
     assert latest_step(tmp_path) == 7

@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "vapo-megatron-train-checkpoint"
 FORMAT_VERSION = 2
-OLD_FORMAT_COMMIT = "f529748"
+OLD_FORMAT_COMMIT = "0427728"
 """The last commit that writes (and reads) format_version 1, the per-rank pickles."""
 MARKER = "COMPLETE"
 LATEST = "latest"
