@@ -20,8 +20,12 @@ def test_offload_changes_nothing_but_where_the_state_sits(tmp_path):
     runs = {}
     for offload in ("false", "true"):
         run_dir = tmp_path / f"offload_{offload}"
-        run_trainer(run_dir, assets, 2, *common, f"rollout.offload_training_state={offload}")
+        outputs = run_trainer(
+            run_dir, assets, 2, *common, f"rollout.offload_training_state={offload}"
+        )
         runs[offload] = read_metrics(run_dir)
+        moved = "training state off the device while vLLM starts" in outputs[0]
+        assert moved == (offload == "true"), outputs[0][-3000:]
     assert sorted(runs["true"]) == sorted(runs["false"]) == [1, 2]
     for step, want in runs["false"].items():
         got = runs["true"][step]

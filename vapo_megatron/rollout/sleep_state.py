@@ -31,12 +31,15 @@ CPU tests hold the GPU order.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Literal
 
 import torch
 
 from vapo_megatron.parallel.devices import HOST
+
+logger = logging.getLogger(__name__)
 
 SleepLevel = Literal[1, 2]
 TAGS = ("weights", "kv_cache")
@@ -201,6 +204,11 @@ class TrainingOffload:
         what is free when it starts)."""
         self.offload_for_weights()
         self.offload_policy_params()
+        logger.info(
+            "training state off the device while vLLM starts: %d storages, %.3f GiB (host "
+            "buffers%s)", len(self._moved), self.offloaded_bytes / 2**30,
+            ", pinned" if self.pin_memory else "",
+        )  # fmt: skip
 
     def restore(self) -> None:
         """Every offloaded storage back on the device with its exact bytes."""
