@@ -162,13 +162,19 @@ def test_gpu_engine_calls_vllm_and_offloads_in_order(level):
     ]
 
 
-def test_sleep_level_2_is_the_default():
+def test_the_trainer_sleeps_at_level_2_by_default(monkeypatch):
+    """The trainer syncs every step, so its engines sleep at level 2 unless the recipe says 1
+    (RolloutConfig's own default stays 1 for direct users, who may wake without a sync)."""
     pytest.importorskip("vllm")
-    from vapo_megatron.rollout.engine import RolloutConfig
-    from vapo_megatron.trainer.config import RolloutSettings
+    from vapo_megatron.rollout import engine as engine_module
+    from vapo_megatron.trainer import session
+    from vapo_megatron.trainer.recipe import load_recipe
 
-    assert RolloutConfig(model_path="unused").sleep_level == 2
-    assert RolloutSettings().sleep_level == 2
+    seen = []
+    monkeypatch.setattr(engine_module, "RolloutEngine", lambda config, **kw: seen.append(config))
+    for overrides, level in (([], 2), (["rollout.sleep_level=1"], 1)):
+        session.start_rollout(load_recipe("recipes/tiny_cpu.yaml", overrides), 0)
+        assert seen.pop().sleep_level == level
 
 
 def test_level_2_restores_module_tensors_vllm_does_not_save():

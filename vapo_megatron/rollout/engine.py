@@ -64,11 +64,12 @@ class RolloutConfig:
     """'auto': read model_path's weights at start; 'dummy': random weights of the right shapes
     (the trainer's engines: the first sync overwrites every weight, so no rank reads the
     checkpoint, 65 GB at 32B, only to discard it). Evaluation of a saved model keeps 'auto'."""
-    sleep_level: SleepLevel = 2
+    sleep_level: SleepLevel = 1
     """GPU: what sleep frees. 1: weights to host memory (a pinned copy, 16 GB per rank at 32B),
-    KV cache dropped; 2: both dropped (a full sync follows every wake, as the trainer does each
-    step; the engine restores what the sync does not, ``sleep_state``). CPU: vLLM has no sleep
-    mode; only the order is checked."""
+    KV cache dropped, weights valid on wake; 2: both dropped (a full sync must follow every wake;
+    the engine restores what the sync does not, ``sleep_state``). The trainer's default is 2
+    (``rollout.sleep_level``: it syncs every step). CPU: vLLM has no sleep mode; only the order
+    is checked."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
