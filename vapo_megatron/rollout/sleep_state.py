@@ -10,9 +10,9 @@ Sleep levels (vLLM's):
 - 1: weights copied to a pinned host buffer, KV cache discarded. Frees all of the engine's
   device memory but keeps a host copy of the weights (about 16 GB per rank at 32B, TP4), which
   the next step's sync overwrites anyway.
-- 2 (the trainer's default, rollout.sleep_level): weights *and* KV cache discarded. What vLLM allocated while building the
-  model is its "weights" pool, and level 2 throws away all of it: parameters, registered
-  buffers, and tensors held as plain module attributes. On wake vLLM copies back the
+- 2 (the trainer's default, ``rollout.sleep_level``): weights *and* KV cache discarded. What
+  vLLM allocated while building the model is its "weights" pool, and level 2 throws away all
+  of it: parameters, registered buffers, and tensors held as plain module attributes. On wake vLLM copies back the
   registered buffers it saved (rotary ``cos_sin_cache``, ...); the sync rewrites every
   parameter; nothing restores the plain attributes, so ``RolloutEngine`` saves those on host
   before the sleep and copies them back after ``wake("weights")``
