@@ -12,10 +12,10 @@ Sleep levels (vLLM's):
   the next step's sync overwrites anyway.
 - 2 (the trainer's default, ``rollout.sleep_level``): weights *and* KV cache discarded. What
   vLLM allocated while building the model is its "weights" pool, and level 2 throws away all
-  of it: parameters, registered buffers, and tensors held as plain module attributes. On wake vLLM copies back the
-  registered buffers it saved (rotary ``cos_sin_cache``, ...); the sync rewrites every
-  parameter; nothing restores the plain attributes, so ``RolloutEngine`` saves those on host
-  before the sleep and copies them back after ``wake("weights")``
+  of it: parameters, registered buffers, and tensors held as plain module attributes. On wake
+  vLLM copies back the registered buffers it saved (rotary ``cos_sin_cache``, ...); the sync
+  rewrites every parameter; nothing restores the plain attributes, so ``RolloutEngine`` saves
+  those on host before the sleep and copies them back after ``wake("weights")``
   (``engine.unsaved_module_tensors``; the garbage rollouts of vLLM #16564 / NeMo-RL #2631 came
   from state of that kind; vLLM 0.32's Qwen2 keeps none on the device). A regression shows as
   the per-step log-prob gap warning (``rollout.logprob_gap_warn``): vLLM's log-probs stop
