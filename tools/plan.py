@@ -7,9 +7,14 @@ With ``--recipe`` the recipe is loaded and checked against the world size by the
 loader and checks (``load_recipe``, ``TrainConfig.check``, ``check_layout_pair``,
 ``ModelLayout.check``): exit 2 with the trainer's message when it would refuse to start. Its
 layout is then planned as written, and, when it does not fit, the recipe values to change are
-listed. Without a recipe a layout is searched for. The memory model is
-``vapo_megatron/models/memory_plan.py``. The last line printed is JSON:
-``{"fits": ..., "layout": {...}, "peak_gib": ..., ...}``.
+listed. A recipe's recompute (policy/critic.recompute), offload
+(rollout.offload_training_state), grad_reduce_in_fp32 and enforce_eager are planned as the
+trainer will run them; without a recipe ``--recompute`` and ``--offload`` say, and a layout is
+searched for. "Fits" means every phase leaves ``--min-headroom-gib`` (8) free. Each figure is
+labelled exact, measured (on CPU) or estimated; the memory model is
+``vapo_megatron/models/memory_plan.py``. The last line printed is JSON: ``{"fits": ...,
+"layout": {...}, "peak_gib": ..., "headroom_gib": ..., "kv_sequences_per_replica": ...,
+"rollout_seconds_estimated": ..., ...}``.
 """
 
 from __future__ import annotations
