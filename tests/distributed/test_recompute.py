@@ -16,3 +16,4 @@ def test_recompute_keeps_gradients_at_tp2_and_cp2():
         for layout in ("TP2", "CP2"):
             for label in ("selective", "full-uniform-1", "full-block-1"):
                 assert f"rank {rank}: {layout} {label}: same gradients" in out, out
+        assert f"rank {rank}: critic CP2 full-uniform-1: same gradients" in out, out

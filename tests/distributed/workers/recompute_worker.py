@@ -1,5 +1,5 @@
 """Worker: activation recompute (selective, full uniform, full block) leaves the policy's
-gradients unchanged at TP2 and at CP2; full recompute really recomputes (it holds under 0.9 of
+gradients unchanged at TP2 and at CP2, and the critic's at CP2; full recompute really recomputes (it holds under 0.9 of
 the bytes for backward at the peak; block with num_layers=1 recomputes one layer of four).
 """
 
@@ -10,7 +10,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from tests.distributed.workers.train_on_worker import ALGO, HF, OPTIM, POLICY_FIELDS, samples
+from tests.distributed.workers.train_on_worker import (
+    ALGO,
+    CRITIC_FIELDS,
+    HF,
+    OPTIM,
+    POLICY_FIELDS,
+    samples,
+)
 from tests.distributed.workers.train_step_worker import make_weights
 from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
@@ -22,7 +29,7 @@ from vapo_megatron.parallel.model_groups import (
 from vapo_megatron.parallel.reductions import global_loss_normalisers
 from vapo_megatron.trainer.batching import micro_batches
 from vapo_megatron.trainer.config import RecomputeSettings
-from vapo_megatron.trainer.loss_fns import policy_loss_fn
+from vapo_megatron.trainer.loss_fns import policy_loss_fn, value_loss_fn
 from vapo_megatron.trainer.model_engine import ModelEngine
 
 RECOMPUTES = {
@@ -41,15 +48,17 @@ class _Held:
         self.tensor = tensor
 
 
-def gradients(layout, groups, sd, recompute):
+def gradients(layout, groups, sd, recompute, head="lm"):
     """(parameter name -> gradient, peak bytes held for backward) of one forward-backward."""
-    engine = ModelEngine(HF, layout, head="lm", optim=OPTIM, groups=groups, recompute=recompute)
+    engine = ModelEngine(HF, layout, head=head, optim=OPTIM, groups=groups, recompute=recompute)
     engine.load_hf(sd)
+    fields = POLICY_FIELDS if head == "lm" else CRITIC_FIELDS
     mbs = micro_batches(
-        samples(), layout, cp_rank=engine.cp_rank, token_budget=64, field_names=POLICY_FIELDS
+        samples(), layout, cp_rank=engine.cp_rank, token_budget=64, field_names=fields
     )
+    positive = [mb.fields.get("positive", torch.zeros_like(mb.response_mask)) for mb in mbs]
     norm = global_loss_normalisers(
-        [mb.response_mask for mb in mbs], [mb.fields["positive"] for mb in mbs], len(samples()),
+        [mb.response_mask for mb in mbs], positive, len(samples()),
         dp_cp_group=engine.groups.parallel.dp_cp, cp_size=layout.cp, device=engine.device,
     )  # fmt: skip
     live, peak = [0], [0]
@@ -61,8 +70,13 @@ def gradients(layout, groups, sd, recompute):
         weakref.finalize(held, lambda: live.__setitem__(0, live[0] - size))
         return held
 
+    loss_fn = (
+        policy_loss_fn(ALGO, norm, engine.vocab_slice)
+        if head == "lm"
+        else value_loss_fn(ALGO, norm)
+    )
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
-        engine.run(mbs, policy_loss_fn(ALGO, norm, engine.vocab_slice))
+        engine.run(mbs, loss_fn)
     assert engine.config.recompute_granularity == (recompute and recompute.granularity)
     grads = {n: p.main_grad.clone() for n, p in engine.chunks[0].named_parameters()}
     return grads, peak[0]
@@ -70,7 +84,7 @@ def gradients(layout, groups, sd, recompute):
 
 def main() -> None:
     initialize_cpu_process_group()
-    policy_sd, _ = make_weights()
+    policy_sd, critic_sd = make_weights()
     layouts = {
         "TP2": (ModelLayout(tp=2), build_model_groups(tp=2, pp=1, cp=1)),
         "CP2": (ModelLayout(cp=2), build_model_groups(tp=1, pp=1, cp=2)),
@@ -91,6 +105,13 @@ def main() -> None:
                 f"peak held for backward {saved / saved_plain:.2f} of no recompute",
                 flush=True,
             )
+    # The critic (value head) at CP2 too.
+    layout, groups = layouts["CP2"]
+    want, _ = gradients(layout, groups, critic_sd, None, head="value")
+    got, _ = gradients(layout, groups, critic_sd, RECOMPUTES["full-uniform-1"], head="value")
+    worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    assert worst <= 1e-6, f"critic CP2: gradients differ by {worst}"
+    print(f"rank {dist.get_rank()}: critic CP2 full-uniform-1: same gradients", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
