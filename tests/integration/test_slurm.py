@@ -175,6 +175,7 @@ def slurm_job(tmp_path: Path, **extra: str) -> tuple[list[str], dict[str, str], 
         MODEL_PATH=assets["model.path"], TRAIN_DATA=assets["data.train_path"],
         EVAL_DATA=assets["data.eval_path"], OMP_NUM_THREADS="1",
         EXTRA_ARGS=f"model.create_tiny=false {SHORT}", PREFLIGHT="0",
+        MODEL_PRESET=assets["model.path"],  # the preflight plans the model this job runs
     )  # fmt: skip
     env.update(extra)
     return ["bash", str(SLURM / "vapo_qwen32b.sh")], env, log
@@ -215,6 +216,10 @@ def test_usr1_saves_requeues_and_resumes(tmp_path: Path) -> None:
     out, _ = job.communicate(timeout=240)
     assert job.returncode == 0, out[-4000:]
     assert "scontrol requeue 4242" in log.read_text(), out[-4000:]
+    preflight = [line for line in log.read_text().splitlines() if "--ntasks=1" in line]
+    assert "slurm/check_inputs.py" in preflight[0] and "tools/plan.py" in preflight[1]
+    sruns = [line for line in log.read_text().splitlines() if line.startswith("srun ")]
+    assert len(sruns) == 3 and all("--cpus-per-task=12" in line for line in sruns)
     saved = max(read_metrics(run_dir))
     assert 1 <= saved < 50
     env["SLURM_RESTART_COUNT"] = "1"
