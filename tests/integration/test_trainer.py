@@ -196,6 +196,31 @@ def test_resume_after_kill_matches_uninterrupted_run(assets, tmp_path):
         assert math.isclose(a[3][key], b[3][key], rel_tol=1e-6, abs_tol=1e-9), (key, a[3], b[3])
 
 
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        # Both models DP2 on 2 ranks -> DP1 on 1 rank (the default dp_reshardable format).
+        ((2, "policy.layout.tp=1"), (1, "policy.layout.tp=1")),
+        # Policy TP2 -> TP1 (DP2) on 2 ranks, saved fully reshardable.
+        ((2, "policy.layout.tp=2", "trainer.checkpoint_fully_reshardable=true"),
+         (2, "policy.layout.tp=1")),
+    ],
+    ids=["dp2_to_dp1", "policy_tp2_to_tp1"],
+)  # fmt: skip
+def test_resume_at_another_layout(assets, tmp_path, before, after):
+    """A run saved at one layout (distributed optimizers) continues at another: the checkpoint
+    reshards, step 3 trains and logs; on another number of ranks the RNG states stay seeded."""
+    run = tmp_path / "run"
+    common = (NO_PRETRAIN, "critic.layout.tp=1", "eval.at_end=false", "trainer.export_hf=false",
+              "policy.optim.distributed_optimizer=true",
+              "critic.optim.distributed_optimizer=true")  # fmt: skip
+    run_trainer(run, assets, before[0], *common, *before[1:], "trainer.steps=2")
+    out = run_trainer(run, assets, after[0], *common, *after[1:], "trainer.steps=3")[0]
+    assert re.search(r"resumed from \S+ at step \{'step': 2,", out), out[-4000:]
+    assert ("RNG states not restored" in out) == (before[0] != after[0]), out[-4000:]
+    check_step_metrics(read_metrics(run), 3)
+
+
 def test_eval_command_and_offline_critic_fit(assets, end_to_end, tmp_path):
     """vapo-eval on the exported policy; critic pretraining from the run's saved rollouts."""
     first = end_to_end
