@@ -55,13 +55,15 @@ def score_flat(
     # buffer is host bookkeeping, so the result comes back to the host once.
     device = engine.device
     index_parts, value_parts = [], []
+    # int32 positions halve the gather's index bytes (a 32B step has ~44M response tokens)
+    index_dtype = torch.int32 if total < 2**31 else torch.long
     if engine.is_last_stage and engine.tp_rank == 0:
         for mb, out in zip(mbs, outputs, strict=True):
             mask = mb.response_mask.to(device)
-            index_parts.append(mb.fields[FLAT_INDEX].to(device)[mask])
+            index_parts.append(mb.fields[FLAT_INDEX].to(device)[mask].to(index_dtype))
             value_parts.append(out[output_key][mask].to(torch.float32))
     index = (
-        torch.cat(index_parts) if index_parts else torch.zeros(0, dtype=torch.long, device=device)
+        torch.cat(index_parts) if index_parts else torch.zeros(0, dtype=index_dtype, device=device)
     )
     value = torch.cat(value_parts) if value_parts else torch.zeros(0, device=device)
     world = engine.groups.world
