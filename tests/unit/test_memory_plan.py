@@ -141,6 +141,10 @@ def test_32b_on_one_gpu_does_not_fit() -> None:
     assert mp.propose(hf("qwen2.5-32b"), mp.GPUS["h100-80gb"], work, gpus_per_node=1) is None
     one = mp.plan(hf("qwen2.5-32b"), mp.GPUS["h100-80gb"], ModelLayout(), ModelLayout(), work)
     assert not one.fits and one.peak > 10 * mp.GIB * 80
+    # No room for one sequence of KV cache: the summary and the table say so, not crash.
+    assert one.kv_cache <= 0 or one.concurrent_sequences < 1
+    assert mp.plan_summary(one)["rollout_seconds_estimated"] is None
+    assert "never: the KV cache holds less than one sequence" in mp.format_plan(one, "32B x 1")
 
 
 @pytest.mark.unit

@@ -537,7 +537,10 @@ def plan_summary(result: Plan) -> dict[str, object]:
             peak_gib=round(result.peak / GIB, 2),
             headroom_gib=round(result.headroom / GIB, 2),
             kv_sequences_per_replica=round(result.concurrent_sequences, 1),
-            rollout_seconds_estimated=round(result.rollout_seconds),
+            # None when the KV cache cannot hold one sequence (the plan lists that problem).
+            rollout_seconds_estimated=(
+                round(result.rollout_seconds) if math.isfinite(result.rollout_seconds) else None
+            ),
             host_gib_per_gpu=round(result.host_bytes / GIB, 2),
         )
     out["problems"] = result.problems
@@ -581,10 +584,15 @@ def format_plan(result: Plan, title: str) -> str:
             "replica"
         )
         seconds = result.rollout_seconds
+        duration = (
+            f"about {seconds / 60:.0f} min per step"
+            if math.isfinite(seconds)
+            else "never: the KV cache holds less than one sequence"
+        )
         lines.append(
             f"rollout of {work.samples_per_step} responses (mean "
-            f"{work.mean_response_fraction:.0%} of {work.response_len} tokens): about "
-            f"{seconds / 60:.0f} min per step [estimated, memory-bound decode at "
+            f"{work.mean_response_fraction:.0%} of {work.response_len} tokens): {duration} "
+            f"[estimated, memory-bound decode at "
             f"{DECODE_EFFICIENCY:.0%} of {result.gpu.hbm_bytes_per_s / 1e12:.2f} TB/s]"
         )
         lines.append(f"offload: {work.offload} ({OFFLOADS[work.offload]})")
