@@ -209,7 +209,7 @@ def test_resume_after_kill_matches_uninterrupted_run(assets, tmp_path):
 )  # fmt: skip
 def test_resume_at_another_layout(assets, tmp_path, before, after):
     """A run saved at one layout (distributed optimizers) continues at another: the checkpoint
-    reshards, step 3 trains and logs; on another number of ranks the RNG states stay seeded."""
+    reshards, step 3 trains and logs; the RNG states (per rank and layout) stay seeded."""
     run = tmp_path / "run"
     common = (NO_PRETRAIN, "critic.layout.tp=1", "eval.at_end=false", "trainer.export_hf=false",
               "policy.optim.distributed_optimizer=true",
@@ -217,7 +217,7 @@ def test_resume_at_another_layout(assets, tmp_path, before, after):
     run_trainer(run, assets, before[0], *common, *before[1:], "trainer.steps=2")
     out = run_trainer(run, assets, after[0], *common, *after[1:], "trainer.steps=3")[0]
     assert re.search(r"resumed from \S+ at step \{'step': 2,", out), out[-4000:]
-    assert ("RNG states not restored" in out) == (before[0] != after[0]), out[-4000:]
+    assert "RNG states not restored" in out, out[-4000:]
     check_step_metrics(read_metrics(run), 3)
 
 

@@ -410,8 +410,8 @@ def load_train_checkpoint(
     step: int | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any] | None:
-    """Restore the models, optimizers, schedulers and (at the same world size) this rank's RNG
-    from checkpoint ``step`` (default: :func:`latest_step`); return the saved ``extra``, or None
+    """Restore the models, optimizers, schedulers and (at the same world size and layouts) this
+    rank's RNG from checkpoint ``step`` (default: :func:`latest_step`); return the saved ``extra``, or None
     if there is none.
 
     Collective over the default process group and ``group``. Another DP or CP size loads
@@ -437,14 +437,19 @@ def load_train_checkpoint(
     _check_compatible(meta, models, directory)
     for name, state in models.items():
         _load_model(state, directory / name, meta["models"][name]["optimizer_format"])
+    # A rank's RNG states (Megatron's tracker is seeded per TP/PP rank) belong to its place
+    # in the layout: restored only where every rank has the same one.
     world_size = dist.get_world_size(group)
-    if meta["world_size"] == world_size:
+    layouts = json.loads(json.dumps({name: state.layout for name, state in models.items()}))
+    saved = {name: entry["layout"] for name, entry in meta["models"].items()}
+    if meta["world_size"] == world_size and saved == layouts:
         _set_rng_state(_load(directory / "rng" / _rank_file(dist.get_rank(group))))
     elif dist.get_rank(group) == 0:
         logger.warning(
-            "%s was saved by %d ranks, this run has %d: RNG states not restored (each rank "
-            "keeps its seeded state; training draws its randomness from per-step seeds)",
-            directory, meta["world_size"], world_size,
+            "%s was saved by %d ranks with layouts %s, this run has %d ranks and %s: RNG states "
+            "not restored (each rank keeps its seeded state; training draws its randomness "
+            "from per-step seeds)",
+            directory, meta["world_size"], saved, world_size, layouts,
         )  # fmt: skip
     return _load(directory / EXTRA)
 
