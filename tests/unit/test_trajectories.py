@@ -105,7 +105,12 @@ def test_shape_rewards_adds_the_overlong_penalty_per_sample():
 def test_rollout_files_round_trip_and_read_the_earlier_format(tmp_path):
     traj, prompts, responses, logprobs, meta = random_trajectories(11, 7)
     traj.reward = traj.score + 0.5
-    save_rollouts(tmp_path, 1, traj)
+    path = save_rollouts(tmp_path, 1, traj)
+    # One plain dict per trajectory, its tokens views of one stored buffer (saved once).
+    rows = torch.load(path, weights_only=True)
+    assert len(rows) == 11 and rows[3]["response"].tolist() == responses[3]
+    storages = {r["response"].untyped_storage().data_ptr() for r in rows}
+    assert len(storages) == 1
     back = load_rollouts(tmp_path, 1)
     for name in (
         "rollout_logprobs",

@@ -14,22 +14,30 @@ from pathlib import Path
 import torch
 
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.trainer.rollout_phase import Trajectories
+from vapo_megatron.trainer.rollout_phase import META_FIELDS, Trajectories
 
 
 def save_rollouts(directory: Path, index: int, trajectories: Trajectories) -> Path:
-    """Rank 0 only: one file of plain tensors (no pickled classes)."""
+    """Rank 0 only: one file, a list of one plain dict per trajectory (no pickled classes).
+    Token ids and log-probs are views of the step's flat buffers, which ``torch.save`` stores
+    once, so the file costs no per-token Python objects."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{index:06d}.pt"
     tmp = path.with_suffix(".pt.tmp")
-    state = {
-        "meta": trajectories.meta_rows(),
-        "reward": trajectories.reward,
-        "prompt_tokens": trajectories.prompts.values,
-        "response_tokens": trajectories.responses.values,
-        "rollout_logprobs": trajectories.rollout_logprobs,
-    }
-    torch.save(state, tmp)
+    t = trajectories
+    scalars = zip(
+        t.group.tolist(), t.prompt_index.tolist(), t.truncated.tolist(), t.score.tolist(),
+        t.acc.tolist(), t.reward.tolist(), strict=True,
+    )  # fmt: skip
+    rows = []
+    for i, (group, prompt_index, truncated, score, acc, reward) in enumerate(scalars):
+        lo, hi = int(t.responses.offsets[i]), int(t.responses.offsets[i + 1])
+        rows.append(
+            {"group": group, "prompt_index": prompt_index, "prompt": t.prompts[i],
+             "response": t.responses[i], "rollout_logprobs": t.rollout_logprobs[lo:hi],
+             "truncated": truncated, "score": score, "acc": acc, "reward": reward}
+        )  # fmt: skip
+    torch.save(rows, tmp)
     os.replace(tmp, path)
     return path
 
@@ -45,36 +53,27 @@ def rollout_files(directory: str | Path) -> list[Path]:
 
 
 def load_rollouts(directory: str | Path, index: int) -> Trajectories:
-    """The trajectories of saved step ``index`` (1-based), cycling over the files. Files of
-    the earlier format (a list of one dict per trajectory) load too."""
+    """The trajectories of saved step ``index`` (1-based), cycling over the files. Files
+    whose token ids and log-probs are lists (written before trajectories were tensors) load
+    too."""
     files = rollout_files(directory)
-    path = files[(index - 1) % len(files)]
-    state = torch.load(path, weights_only=True, map_location=HOST)
-    if isinstance(state, list):
-        state = _from_rows_of_dicts(state)
-    out = Trajectories.from_rows(
-        state["meta"], state["prompt_tokens"], state["response_tokens"], state["rollout_logprobs"]
-    )
-    out.reward = state["reward"]
-    return out
-
-
-def _from_rows_of_dicts(rows: list[dict]) -> dict[str, torch.Tensor]:
+    rows = torch.load(files[(index - 1) % len(files)], weights_only=True, map_location=HOST)
     meta = [
         (r["group"], r["prompt_index"], len(r["prompt"]), len(r["response"]), r["truncated"],
          r["score"], r["acc"])
         for r in rows
     ]  # fmt: skip
-    return {
-        "meta": torch.tensor(meta, dtype=torch.float64, device=HOST).reshape(len(rows), 7),
-        "reward": torch.tensor([r["reward"] for r in rows], dtype=torch.float64, device=HOST),
-        "prompt_tokens": torch.tensor(
-            [x for r in rows for x in r["prompt"]], dtype=torch.int32, device=HOST
-        ),
-        "response_tokens": torch.tensor(
-            [x for r in rows for x in r["response"]], dtype=torch.int32, device=HOST
-        ),
-        "rollout_logprobs": torch.tensor(
-            [x for r in rows for x in r["rollout_logprobs"]], dtype=torch.float32, device=HOST
-        ),
-    }
+    out = Trajectories.from_rows(
+        torch.tensor(meta, dtype=torch.float64, device=HOST).reshape(len(rows), len(META_FIELDS)),
+        _flat([r["prompt"] for r in rows], torch.int32),
+        _flat([r["response"] for r in rows], torch.int32),
+        _flat([r["rollout_logprobs"] for r in rows], torch.float32),
+    )
+    out.reward = torch.tensor([r["reward"] for r in rows], dtype=torch.float64, device=HOST)
+    return out
+
+
+def _flat(parts: list, dtype: torch.dtype) -> torch.Tensor:
+    """Rows given as tensors or lists, laid end to end as one [N] host tensor."""
+    tensors = [torch.as_tensor(p, dtype=dtype, device=HOST) for p in parts]
+    return torch.cat(tensors) if tensors else torch.zeros(0, dtype=dtype, device=HOST)
