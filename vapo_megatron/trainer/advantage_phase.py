@@ -4,7 +4,9 @@ Runs on every rank over the whole step (the scoring pass gathered every token's 
 its result does not depend on any model's layout. The reward sits at each response's last
 token (the state after it is terminal, value 0); GAE uses lambda_policy(l) per sequence for
 advantages and lambda_critic for returns; the group estimator (GRPO/DAPO) broadcasts each
-sample's group-normalised score over its tokens.
+sample's group-normalised score over its tokens. ``gae_on_cp_shards`` gives the same
+advantages and returns on one data-parallel rank's samples, where the critic scored them
+(its context-parallel shards), with no per-token gather.
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
-from vapo_megatron.algorithms.advantages import decoupled_gae_packed
+from vapo_megatron.algorithms.advantages import decoupled_gae_packed, gae_lambdas
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.group_advantages import group_normalized_advantages
+from vapo_megatron.data.packing import MicroBatch
+from vapo_megatron.parallel.cp_gae import gae_context_parallel_packed
+from vapo_megatron.trainer.batching import FLAT_INDEX
 
 
 def terminal_rewards(
@@ -70,3 +76,74 @@ def whiten(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     if x.numel() < 2:
         return x - x.mean() if x.numel() else x
     return (x - x.mean()) / (x.std() + eps)
+
+
+def gae_on_cp_shards(
+    algo: AlgoConfig,
+    micro_batches: Sequence[MicroBatch],
+    values: Sequence[torch.Tensor],
+    sample_ids: torch.Tensor,
+    rewards: torch.Tensor,
+    offsets: torch.Tensor,
+    cp_group: dist.ProcessGroup | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Decoupled GAE where the critic scored: on this rank's context-parallel shards.
+
+    micro_batches: this rank's packed (THD) micro-batches, as ``batching.micro_batches`` cut
+    them for its CP rank, holding the samples ``sample_ids`` [K] in order (``num_seqs`` each;
+    an empty micro-batch holds none); values: per micro-batch, the critic's outputs on its
+    positions ([t_local] or [1, t_local]; read only on the response mask); rewards [S] and
+    offsets [S + 1]: the whole step's per-sample rewards and response offsets (S + 1 numbers,
+    not per token). Each sequence's lambdas come from its full response length, and
+    ``parallel/cp_gae.py`` carries one number per chunk across ``cp_group`` (every CP rank of
+    this data-parallel rank holds the same micro-batches, so each call is collective over it).
+    Returns (advantages, returns) per micro-batch, [t_local] float32 on the values' device (0
+    off the response mask), equal to :func:`gae_advantages`' at each token's ``flat_index``, and
+    lambda_policy [K] of ``sample_ids``.
+    """
+    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    lengths = offsets.diff()[sample_ids]
+    lam_policy, lam_critic = gae_lambdas(algo, lengths)
+    last = offsets[1:] - 1  # flat position of each sample's last response token
+    advantages, returns = [], []
+    start = 0
+    for mb, value in zip(micro_batches, values, strict=True):
+        device = value.device  # the critic's: its CP group's collective takes tensors there
+        mask = mb.response_mask.reshape(-1).to(device)
+        if mb.num_seqs == 0:
+            zeros = torch.zeros(mask.numel(), dtype=torch.float32, device=device)
+            advantages.append(zeros)
+            returns.append(zeros.clone())
+            continue
+        ids = sample_ids[start : start + mb.num_seqs]
+        start += mb.num_seqs
+        flat_index = mb.fields[FLAT_INDEX].reshape(-1).to(device)
+        cu_padded = mb.packed_seq_params.cu_seqlens_q_padded.to(device)
+        local = cu_padded.diff().long() // cp_size  # this rank's positions of each sequence
+        is_last = mask & (flat_index == last[ids].to(device).repeat_interleave(local))
+        reward = rewards[ids].to(device, torch.float32).repeat_interleave(local)
+        token_rewards = torch.where(is_last, reward, 0.0)
+        value = value.reshape(-1).to(torch.float32)
+        if cp_size == 1:  # whole sequences here: the packed scan, lambdas from the mask
+            adv, ret, _ = decoupled_gae_packed(algo, token_rewards, value, mask, cu_padded)
+            advantages.append(adv.to(torch.float32))
+            returns.append(ret.to(torch.float32))
+            continue
+        span = slice(start - mb.num_seqs, start)
+        lams = [lam_policy[span]]
+        if lam_critic is not lam_policy:
+            lams.append(lam_critic[span])
+        results = [
+            gae_context_parallel_packed(
+                token_rewards, value, mask, cu_padded, lam, algo.gamma, cp_group
+            )
+            for lam in lams
+        ]
+        advantages.append(results[0][0].to(torch.float32))
+        returns.append(results[-1][1].to(torch.float32))
+    if start != sample_ids.numel():
+        raise ValueError(
+            f"micro-batches hold {start} samples, sample_ids {sample_ids.numel()}: pass the "
+            "samples in the order the micro-batches were packed"
+        )
+    return advantages, returns, lam_policy
