@@ -17,3 +17,6 @@ def test_shard_gae_equals_flat_gae_dp2_cp2_cp4():
             assert f"{layout} {name}: shard GAE equals flat GAE" in outputs[0], outputs[0]
         assert f"DP=1 CP=4 {name}: shard GAE equals flat GAE" in outputs[3]
         assert f"DP=2 CP=2 {name}: shard GAE equals flat GAE" in outputs[3]
+    assert (
+        "DP=4 CP=1 3 samples: shard GAE equals flat GAE on 1 micro-batches, 0 samples" in outputs[3]
+    )

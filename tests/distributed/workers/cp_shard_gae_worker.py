@@ -32,13 +32,13 @@ from vapo_megatron.trainer.batching import (
 ATOL = 2e-5
 
 
-def step_data():
+def step_data(num: int):
     gen = torch.Generator().manual_seed(11)
-    num = 13
     prompt_lengths = torch.randint(1, 9, (num,), generator=gen)
     response_lengths = torch.randint(1, 41, (num,), generator=gen)
-    response_lengths[3] = 1  # one response token: the reward's token is also the first
-    response_lengths[7] = 90  # longer than the token budget: a micro-batch of its own
+    if num > 7:
+        response_lengths[3] = 1  # one response token: the reward's token is also the first
+        response_lengths[7] = 90  # longer than the token budget: a micro-batch of its own
     prompts = Ragged(
         torch.randint(3, 50, (int(prompt_lengths.sum()),), generator=gen),
         torch.nn.functional.pad(prompt_lengths.cumsum(0), (1, 0)),
@@ -50,14 +50,14 @@ def step_data():
     return prompts, responses, rewards, values
 
 
-def check(dp: int, cp: int, algo: AlgoConfig, name: str) -> None:
+def check(dp: int, cp: int, algo: AlgoConfig, name: str, num: int = 13) -> None:
     rank = dist.get_rank()
     cp_groups = [dist.new_group(list(range(d * cp, (d + 1) * cp))) for d in range(dp)]
     layout_group = dist.new_group(list(range(dp * cp)))
     if rank >= dp * cp:
         return
     dp_rank, cp_rank = rank // cp, rank % cp
-    prompts, responses, rewards, values = step_data()
+    prompts, responses, rewards, values = step_data(num)
     offsets = responses.offsets
     flat_adv, flat_ret, flat_lam = gae_advantages(algo, rewards, values, offsets)
 
@@ -66,7 +66,7 @@ def check(dp: int, cp: int, algo: AlgoConfig, name: str) -> None:
     samples = build_samples(prompts, responses, mine, offsets)
     layout = ModelLayout(cp=cp)
     mbs = micro_batches(samples, layout, cp_rank=cp_rank, token_budget=64, field_names=[FLAT_INDEX])
-    if dp_rank == 0 and len(mbs) < 3:
+    if num > 7 and dp_rank == 0 and len(mbs) < 3:
         raise AssertionError(f"the check needs several micro-batches, got {len(mbs)}")
     gen = torch.Generator().manual_seed(100 + rank)
     shard_values = []
@@ -76,7 +76,7 @@ def check(dp: int, cp: int, algo: AlgoConfig, name: str) -> None:
         index = mb.fields[FLAT_INDEX].reshape(-1)
         shard_values.append(torch.where(mask, values[index], garbage)[None])
     advantages, returns, lam = gae_on_cp_shards(
-        algo, mbs, shard_values, torch.tensor(mine, device=HOST), rewards, offsets,
+        algo, mbs, shard_values, torch.tensor(mine, dtype=torch.long, device=HOST), rewards, offsets,
         cp_groups[dp_rank] if cp > 1 else None,
     )  # fmt: skip
     torch.testing.assert_close(lam, flat_lam[mine], rtol=0, atol=0)
@@ -91,7 +91,10 @@ def check(dp: int, cp: int, algo: AlgoConfig, name: str) -> None:
     # Over the whole layout every response token is scored and advanced exactly once.
     collectives.all_reduce(seen, group=layout_group)
     assert bool((seen == 1).all()), f"tokens covered {seen.unique().tolist()} times"
-    print(f"DP={dp} CP={cp} {name}: shard GAE equals flat GAE on {len(mbs)} micro-batches")
+    held = len(mine)
+    print(
+        f"DP={dp} CP={cp} {name}: shard GAE equals flat GAE on {len(mbs)} micro-batches, {held} samples"
+    )
 
 
 def main() -> None:
@@ -106,6 +109,8 @@ def main() -> None:
         for name, algo in (("vapo", decoupled), ("discounted", discounted), ("coupled", coupled)):
             check(dp, cp, algo, name)
             dist.barrier()
+    # Fewer samples than DP ranks: rank 3 scores none (one empty micro-batch).
+    check(4, 1, decoupled, "3 samples", num=3)
     dist.destroy_process_group()
 
 
