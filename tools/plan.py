@@ -187,6 +187,7 @@ def recipe_workload(config) -> dict[str, object]:
     return {
         "bf16": bf16,
         "distributed_optimizer": config.policy.optim.distributed_optimizer,
+        "critic_distributed_optimizer": config.critic.optim.distributed_optimizer,
         "uses_critic": config.algorithm.uses_critic,
         "policy_recompute": as_tuple(config.policy.recompute),
         "critic_recompute": as_tuple(config.critic.recompute),

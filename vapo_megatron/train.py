@@ -59,7 +59,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="vapo-train", description=__doc__.split("\n")[0])
     parser.add_argument("recipe", help="YAML recipe (recipes/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, value read as YAML")
-    return parser.parse_args(argv)
+    dry = parser.add_argument_group("dry run (one process, nothing allocated: trainer/dry_run.py)")
+    dry.add_argument("--dry-run", action="store_true", help="build chosen ranks on meta, report")
+    dry.add_argument("--world-size", type=int, help="ranks of the job (default: local_world_size)")
+    dry.add_argument("--ranks", default="0", help="ranks to stand in for, e.g. 0,17,127")
+    dry.add_argument("--model", help="planner preset or config.json (default: model.path)")
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_recipe(args.recipe, args.overrides)
+        if args.dry_run:
+            from vapo_megatron.trainer import dry_run
+
+            world = args.world_size or config.trainer.local_world_size
+            ranks = [int(r) for r in args.ranks.split(",")]
+            dry_run.run(config, model=args.model, world_size=world, ranks=ranks)
+            return 0
         if not under_launcher():  # every rank, even a single one, gets the launcher environment
             logs = Path(config.trainer.run_dir) / "logs"
             logging.info(

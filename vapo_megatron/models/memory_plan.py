@@ -181,7 +181,9 @@ class Workload:
     bf16: bool = True
     """bf16 training parameters with fp32 grads and Adam (else all fp32)."""
     distributed_optimizer: bool = True
-    """Shard Adam state over the DP x CP ranks."""
+    """Shard the policy's Adam state over the DP x CP ranks (policy.optim)."""
+    critic_distributed_optimizer: bool | None = None
+    """The same for the critic (critic.optim); None: as the policy."""
     policy_recompute: Recompute = NO_RECOMPUTE
     """The policy's activation recompute (recipe policy.recompute)."""
     critic_recompute: Recompute = NO_RECOMPUTE
@@ -322,21 +324,50 @@ def rollout_tp_problems(hf: HFModelConfig, rollout_tp: int, world_size: int) -> 
     return []
 
 
-def model_memory(
-    hf: HFModelConfig, layout: ModelLayout, work: Workload, *, head: Head
+def distributed_optimizer(work: Workload, head: Head) -> bool:
+    """Whether the model with ``head`` shards its Adam state (the critic's own setting)."""
+    if head == "value" and work.critic_distributed_optimizer is not None:
+        return work.critic_distributed_optimizer
+    return work.distributed_optimizer
+
+
+def stage_state(
+    hf: HFModelConfig, layout: ModelLayout, work: Workload, *, head: Head, pp_rank: int
 ) -> ModelMemory:
-    """Per-GPU bytes of one model on its largest stage (see the module doc for each term)."""
-    params = max(shard_param_count(hf, layout, head=head, pp_rank=r) for r in range(layout.pp))
+    """Params, grads and Adam bytes of one rank at ``pp_rank`` (activations 0): exact counts
+    times byte sizes (module doc); ``trainer/dry_run.py`` sets them beside the built objects'."""
+    params = shard_param_count(hf, layout, head=head, pp_rank=pp_rank)
     param_bytes = 2 if work.bf16 else 4
     adam_bytes = 12 if work.bf16 else 8
-    shards = work.world_size // (layout.tp * layout.pp) if work.distributed_optimizer else 1
+    shards = work.world_size // (layout.tp * layout.pp) if distributed_optimizer(work, head) else 1
     grad_bytes = 4 if work.grad_reduce_in_fp32 or not work.bf16 else 2
     return ModelMemory(
         params=params * param_bytes,
         grads=params * grad_bytes,
         optimizer=math.ceil(params * adam_bytes / shards),
-        activations=activation_bytes(hf, layout, work, head=head),
+        activations=0,
     )
+
+
+def checkpoint_bytes(
+    hf: HFModelConfig, layout: ModelLayout, work: Workload, *, head: Head, pp_rank: int
+) -> int:
+    """Tensor bytes one rank at ``pp_rank`` writes to a training checkpoint: its stage's
+    weights and Adam state (fp32 main copy with bf16 params, two moments) split evenly over
+    the DP x CP ranks, as megatron's fully parallel save balances them (the distributed
+    optimizer's shards are already split so)."""
+    params = shard_param_count(hf, layout, head=head, pp_rank=pp_rank)
+    per_param = (2 + 12) if work.bf16 else (4 + 8)
+    return math.ceil(params * per_param / (work.world_size // (layout.tp * layout.pp)))
+
+
+def model_memory(
+    hf: HFModelConfig, layout: ModelLayout, work: Workload, *, head: Head
+) -> ModelMemory:
+    """Per-GPU bytes of one model on its largest stage (see the module doc for each term)."""
+    stages = [stage_state(hf, layout, work, head=head, pp_rank=r) for r in range(layout.pp)]
+    largest = max(stages, key=lambda stage: stage.params)
+    return replace(largest, activations=activation_bytes(hf, layout, work, head=head))
 
 
 def activation_bytes(hf: HFModelConfig, layout: ModelLayout, work: Workload, *, head: Head) -> int:

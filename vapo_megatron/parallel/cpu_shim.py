@@ -94,13 +94,15 @@ from vapo_megatron.parallel.groups import ParallelGroups
 _applied = False
 
 
-def apply_cpu_shim() -> bool:
+def apply_cpu_shim(*, force: bool = False) -> bool:
     """Make megatron-core run on CPU; return whether the shim is active.
 
-    Returns ``False`` and changes nothing when CUDA is available. Safe to call repeatedly.
+    Returns ``False`` and changes nothing when CUDA is available, unless ``force`` (the dry
+    run, ``trainer/dry_run.py``, which builds on ``meta`` and runs nothing on a device). Safe
+    to call repeatedly.
     """
     global _applied
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not force:
         return False
     if not _applied:
         _patch_torch_cuda()
@@ -233,7 +235,8 @@ def _set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool =
 
 
 class _CudaTypeNames(TorchFunctionMode):
-    """CPU tensors answer ``.type()`` with the CUDA type name Megatron compares against."""
+    """CPU and meta tensors answer ``.type()`` with the CUDA type name Megatron compares
+    against."""
 
     def __torch_function__(
         self,
@@ -245,7 +248,8 @@ class _CudaTypeNames(TorchFunctionMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            return result.replace("torch.", "torch.cuda.", 1)
+            # Meta tensors (the dry run, trainer/dry_run.py) say "torch.meta.*".
+            return result.replace("torch.meta.", "torch.", 1).replace("torch.", "torch.cuda.", 1)
         return result
 
 

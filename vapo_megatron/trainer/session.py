@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -23,9 +24,11 @@ from vapo_megatron.data.sampler import PromptSampler
 from vapo_megatron.models import checkpoint as mckpt
 from vapo_megatron.models import hf_io
 from vapo_megatron.models.config import HFModelConfig
+from vapo_megatron.models.gpu_settings import GpuSettings
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.parallel.model_groups import (
+    ModelGroups,
     build_model_groups,
     ensure_global_memory_buffer,
     seed_rng_tracker,
@@ -114,6 +117,45 @@ def _critic_from_policy(
     return tensors
 
 
+def build_groups(
+    config: TrainConfig, host_group: dist.ProcessGroup
+) -> tuple[ModelGroups, ModelGroups | None]:
+    """The policy's and (with a critic) the critic's process groups, each over the whole world
+    in its own layout, then megatron's process-global scratch buffer and RNG tracker.
+    Collective: every rank calls it at the same point (``trainer/dry_run.py`` too)."""
+    policy = build_model_groups(
+        tp=config.policy.layout.tp, pp=config.policy.layout.pp, cp=config.policy.layout.cp,
+        host=host_group,
+    )  # fmt: skip
+    critic = None
+    if config.algorithm.uses_critic:
+        critic = build_model_groups(
+            tp=config.critic.layout.tp, pp=config.critic.layout.pp, cp=config.critic.layout.cp,
+            host=host_group,
+        )  # fmt: skip
+    ensure_global_memory_buffer()
+    seed_rng_tracker(policy, seed=config.trainer.seed)
+    return policy, critic
+
+
+def build_engine(
+    config: TrainConfig,
+    hf: HFModelConfig,
+    role: Literal["policy", "critic"],
+    groups: ModelGroups,
+    *,
+    gpu: GpuSettings | None = None,
+) -> ModelEngine:
+    """The recipe's policy (LM head) or critic (value head) on ``groups``, weights not loaded.
+    ``gpu``: None takes the recipe's (the dry run passes its own, kernels off)."""
+    settings = config.policy if role == "policy" else config.critic
+    return ModelEngine(
+        hf, settings.layout, head="lm" if role == "policy" else "value", optim=settings.optim,
+        groups=groups, params_dtype=getattr(torch, config.model.dtype),
+        gpu=config.gpu if gpu is None else gpu, recompute=settings.recompute,
+    )  # fmt: skip
+
+
 class Session:
     """One rank's share of a run."""
 
@@ -149,24 +191,8 @@ class Session:
             len(self.train.items), seed=config.trainer.seed, shuffle=config.data.shuffle
         )
         self.hf = HFModelConfig.from_hf(hf_io.read_config(config.model.path))
-        dtype = getattr(torch, config.model.dtype)
-        self.policy_groups = build_model_groups(
-            tp=config.policy.layout.tp, pp=config.policy.layout.pp, cp=config.policy.layout.cp,
-            host=self.host_group,
-        )  # fmt: skip
-        self.critic_groups = None
-        if config.algorithm.uses_critic:
-            self.critic_groups = build_model_groups(
-                tp=config.critic.layout.tp, pp=config.critic.layout.pp, cp=config.critic.layout.cp,
-                host=self.host_group,
-            )  # fmt: skip
-        ensure_global_memory_buffer()
-        seed_rng_tracker(self.policy_groups, seed=config.trainer.seed)
-        self.policy = ModelEngine(
-            self.hf, config.policy.layout, head="lm", optim=config.policy.optim,
-            groups=self.policy_groups, params_dtype=dtype, gpu=config.gpu,
-            recompute=config.policy.recompute,
-        )  # fmt: skip
+        self.policy_groups, self.critic_groups = build_groups(config, self.host_group)
+        self.policy = build_engine(config, self.hf, "policy", self.policy_groups)
         policy_tensors = None
         if config.policy.load:
             mckpt.load_model_weights(
@@ -179,11 +205,7 @@ class Session:
             self.policy.load_hf(policy_tensors)
         self.critic = None
         if config.algorithm.uses_critic:
-            self.critic = ModelEngine(
-                self.hf, config.critic.layout, head="value", optim=config.critic.optim,
-                groups=self.critic_groups, params_dtype=dtype, gpu=config.gpu,
-                recompute=config.critic.recompute,
-            )  # fmt: skip
+            self.critic = build_engine(config, self.hf, "critic", self.critic_groups)
             self._init_critic(policy_tensors)
         del policy_tensors
         self.rollout = self._start_rollout()

@@ -1,0 +1,564 @@
+"""Rehearse a recipe at its real world size in one process (``vapo-train RECIPE --dry-run``).
+
+For each chosen rank of an N-rank job the process stands in for that rank: torch.distributed
+starts with the ``fake`` backend at (rank, N) (group construction is real, collectives do
+nothing), and the trainer's own code (``session.build_groups``, ``session.build_engine``)
+builds each model's process groups, GPTModel chunks, DDP wrapper and optimizer on the
+``meta`` device: every shape, dtype, bucket and shard is the real run's, no memory is
+allocated. The figures are then read from the built objects:
+
+- **groups**: the TP/PP/CP/DP/DPxCP ranks of the policy and the critic, the vLLM replica
+  (``rank // rollout.tensor_parallel_size``) and the prompts it generates
+  (``rollout_phase.replica_share``);
+- **bytes**: parameters (each chunk's parameters), the DDP buffers (``grad_data``, and the
+  distributed optimizer's ``param_data``, padding included), the optimizer (main-parameter
+  copies that are not views of the model's, and Adam's moments, created by megatron's own
+  ``init_state_fn`` as a checkpoint save does for a fresh optimizer);
+- **checkpoint**: the tensors this rank writes, from the save plan of the trainer's
+  checkpoint (``checkpointing._model_sharded_state`` and the optimizer's
+  ``sharded_state_dict``, split by megatron's fully parallel strategy over the model's
+  DP x CP group, ``exchange_utils.determine_main_replica_uniform_distribution``). Under the
+  fake backend that strategy's metadata exchange (``all_gather_object``) returns nothing,
+  so each peer of the group is built as well and its shard list handed in as the exchange
+  would have: the plan is megatron's own, computed on the peers' real shard lists;
+- **data**: the model's data-parallel share (``batching.dp_share``) of a synthetic step of
+  the recipe's shape (prompts_per_step x samples_per_prompt samples, seeded lengths up to
+  data.max_prompt_tokens + rollout.max_new_tokens) and its micro-batches
+  (``batching.plan_micro_batches``).
+
+Beside each byte figure stands the planner's (``models/memory_plan.py``, what
+``tools/plan.py`` prints for the recipe) and the difference. What is not built is named in
+the report with the reason (``FALLBACKS``). Layouts that cannot work fail with the message the
+real run gives, from the same checks (``TrainConfig.check``, ``build_model_groups``,
+``ModelLayout.check``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vapo_megatron.models import memory_plan as mp
+from vapo_megatron.models.config import HFModelConfig
+from vapo_megatron.models.gpu_settings import FUSION_KERNELS, GpuSettings
+from vapo_megatron.parallel.devices import building_on
+from vapo_megatron.trainer.config import TrainConfig
+
+META = torch.device("meta")
+
+FALLBACKS = (
+    "activations: not built (they exist only while a step runs); tools/plan.py estimates them",
+    "vLLM memory: no engine is started (its KV cache is sized by vLLM at start on the GPU); "
+    "tools/plan.py estimates it",
+    "kernel fusions (gpu.*_fusion): off here, as on a machine without CUDA; they change no "
+    "parameter, buffer or optimizer byte",
+    "checkpoint: tensor bytes of megatron's save plan; ShardedObjects (a few small pickles, "
+    "e.g. the optimizer's bucket sizes) are not counted",
+)
+"""What the dry run does not build, and why (printed with every report)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFigures:
+    """One model on one rank: its place in the layout and the bytes read from its objects."""
+
+    role: str
+    """policy or critic."""
+    layout: dict[str, int]
+    """tp, pp, cp, dp sizes."""
+    coords: dict[str, int]
+    """This rank's tp, pp, cp, dp rank."""
+    groups: dict[str, list[int]]
+    """Global ranks of this rank's tp, pp, cp, dp and dp_cp groups."""
+    param_count: int
+    """Parameters of this rank's chunks."""
+    built: dict[str, int]
+    """Bytes read from the built objects: params, param_buffer, grads, optimizer, checkpoint."""
+    planned: dict[str, int]
+    """The planner's bytes for this rank's pipeline stage: params, grads, optimizer."""
+    planned_param_count: int
+    """``memory_plan.shard_param_count`` of this rank's stage."""
+    data: dict[str, int]
+    """This DP rank's share of the synthetic step: samples, tokens, micro-batches."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankReport:
+    """Everything the dry run found for one rank."""
+
+    rank: int
+    world_size: int
+    replica: int
+    """vLLM engine replica of this rank."""
+    replica_ranks: list[int]
+    """The ranks of that replica (one vLLM TP group)."""
+    replica_prompts: int
+    """Prompts of the step that replica generates."""
+    models: list[ModelFigures] = field(default_factory=list)
+
+
+@contextmanager
+def stand_in_for(rank: int, world_size: int) -> Iterator[None]:
+    """Within: this process is rank ``rank`` of ``world_size`` under torch.distributed's fake
+    backend (groups are real objects, collectives do nothing), with megatron's CPU shim."""
+    # Importing it registers the "fake" backend (torch's own test helper, no public name yet).
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vapo_megatron.parallel.cpu_shim import apply_cpu_shim
+
+    if dist.is_initialized():
+        raise ValueError(
+            "the dry run stands in for ranks in a process of its own: start it plainly "
+            "(vapo-train RECIPE --dry-run), not under torchrun/srun"
+        )
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    apply_cpu_shim(force=True)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """Within: megatron and the project build tensors on ``meta``. Megatron places its DDP
+    buffers with an explicit ``device=torch.cuda.current_device()``, so that answers meta too."""
+    current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: META
+    try:
+        with torch.device(META), building_on(META):
+            yield
+    finally:
+        torch.cuda.current_device = current
+
+
+def dry_run_gpu_settings(gpu: GpuSettings) -> GpuSettings:
+    """The recipe's GPU settings with kernel fusions off (none exists without CUDA, and none
+    changes a byte counted here) and ``auto`` overlaps as a GPU run resolves them: they decide
+    the DDP buckets (and so the padding) the real run gets."""
+    off = dict.fromkeys(FUSION_KERNELS, False)
+    grad = True if gpu.overlap_grad_reduce == "auto" else gpu.overlap_grad_reduce
+    return replace(gpu, **off, overlap_grad_reduce=grad)
+
+
+@dataclass
+class _Built:
+    """The stand-in's objects for one rank (alive only inside its fake world)."""
+
+    groups: dict[str, Any]
+    engines: dict[str, Any]
+
+
+def _build(config: TrainConfig, hf: HFModelConfig, roles: Sequence[str]) -> _Built:
+    """The trainer's own construction, as ``Session`` does it, of ``roles``' engines."""
+    from vapo_megatron.trainer.session import build_engine, build_groups
+
+    world_size = dist.get_world_size()
+    config.check(world_size)  # the real run's first refusal, with its message
+    for problem in mp.rollout_tp_problems(hf, config.rollout.tensor_parallel_size, world_size):
+        raise ValueError(f"rollout.tensor_parallel_size: {problem}")
+    # The real run's host group is gloo; here every group is fake, and nothing is exchanged.
+    policy_groups, critic_groups = build_groups(config, dist.group.WORLD)
+    groups = {"policy": policy_groups, "critic": critic_groups}
+    gpu = dry_run_gpu_settings(config.gpu)
+    engines = {}
+    with on_meta():
+        for role in roles:
+            engines[role] = build_engine(config, hf, role, groups[role], gpu=gpu)
+    return _Built(groups=groups, engines=engines)
+
+
+def _roles(config: TrainConfig) -> list[str]:
+    return ["policy", "critic"] if config.algorithm.uses_critic else ["policy"]
+
+
+def _checkpoint_shards(engine) -> tuple[dict, dict]:
+    """The model's and the optimizer's sharded state dicts as the trainer's save builds them
+    (the optimizer's from the model's before its factories apply), factories applied."""
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    from vapo_megatron.trainer import checkpointing as ckpt
+
+    state = ckpt.TrainableState.from_engine(engine)
+    for opt in ckpt._sub_optimizers(engine.optimizer):
+        ckpt._give_fresh_state_a_step(opt)  # megatron's init_state_fn: Adam's moments
+    model_sd = ckpt._model_sharded_state(state)
+    optimizer_sd = engine.optimizer.sharded_state_dict(
+        model_sd, is_loading=False, metadata=ckpt._optimizer_metadata(state)
+    )
+    apply_factories(model_sd)
+    apply_factories(optimizer_sd)
+    return model_sd, optimizer_sd
+
+
+def _shards(sharded: dict) -> list:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return [v.without_data() for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
+
+
+def _written_bytes(sharded: dict, group: dist.ProcessGroup, peer_shards: list[list]) -> int:
+    """Tensor bytes this rank writes of ``sharded`` under the trainer's fully parallel save
+    over ``group``: megatron's distribution, its metadata exchange answered with
+    ``peer_shards`` (each group rank's shard list, in group-rank order)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.exchange_utils import (
+        determine_main_replica_uniform_distribution,
+    )
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        distribute_main_replicas_with_precomputed_distribution,
+    )
+
+    def exchange(out: list, _mine: Any, group: Any = None) -> None:
+        out[:] = peer_shards
+
+    gather = dist.all_gather_object
+    dist.all_gather_object = exchange
+    try:
+        plan = determine_main_replica_uniform_distribution(sharded, group)
+    finally:
+        dist.all_gather_object = gather
+    distribute_main_replicas_with_precomputed_distribution(sharded, group, plan)
+    return sum(
+        math.prod(v.local_shape) * v.dtype.itemsize
+        for v in nested_values(sharded)
+        if isinstance(v, ShardedTensor) and is_main_replica(v.replica_id)
+    )
+
+
+def _dp_cp_peers(config: TrainConfig, role: str, rank: int, world_size: int) -> list[int]:
+    """The ranks of ``rank``'s DP x CP group of ``role`` (``model_groups.rank_groups``, the
+    order ``build_model_groups`` makes them in), without building anything."""
+    from vapo_megatron.parallel.model_groups import layout_sizes, rank_groups
+
+    layout = (config.policy if role == "policy" else config.critic).layout
+    sizes = layout_sizes(tp=layout.tp, pp=layout.pp, cp=layout.cp, world_size=world_size)
+    return next(list(g) for g in rank_groups(sizes, "cp", "dp") if rank in g)
+
+
+def _ranks(group: dist.ProcessGroup | None) -> list[int]:
+    return [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
+
+
+def _engine_bytes(engine) -> dict[str, int]:
+    """params, param_buffer, grads, optimizer: bytes of the engine's built tensors."""
+    from vapo_megatron.trainer.checkpointing import _sub_optimizers
+
+    params = [p for chunk in engine.chunks for p in chunk.parameters()]
+    model_ids = {id(p) for p in params}
+    buffers = [b for chunk in engine.chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    optimizer = 0
+    for opt in _sub_optimizers(engine.optimizer):
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                # Main copies: a view (the fp32 distributed optimizer's shard of the model's
+                # own buffer) or a model parameter (the plain fp32 optimizer) costs nothing.
+                if id(p) not in model_ids and p._base is None:
+                    optimizer += nbytes(p)
+                state = opt.optimizer.state.get(p, {})
+                optimizer += sum(nbytes(v) for k, v in state.items() if k != "step")
+    return {
+        "params": sum(nbytes(p) for p in params),
+        "param_buffer": sum(nbytes(b.param_data) for b in buffers if b.param_data is not None),
+        "grads": sum(nbytes(b.grad_data) for b in buffers),
+        "optimizer": optimizer,
+    }
+
+
+def synthetic_token_counts(config: TrainConfig) -> list[int]:
+    """Tokens (prompt + response) of each sample of a synthetic step of the recipe's shape:
+    prompts of 1/4 to all of data.max_prompt_tokens, responses of 1 to
+    rollout.max_new_tokens, uniform and seeded by trainer.seed (group sampling: the samples of
+    one prompt share its length)."""
+    rng = random.Random(config.trainer.seed)
+    algo, max_prompt = config.algorithm, config.data.max_prompt_tokens
+    counts = []
+    for _ in range(algo.prompts_per_step):
+        prompt = rng.randint(max(1, max_prompt // 4), max_prompt)
+        for _ in range(algo.samples_per_prompt):
+            counts.append(prompt + rng.randint(1, config.rollout.max_new_tokens))
+    return counts
+
+
+def _data_share(config: TrainConfig, engine, counts: list[int]) -> dict[str, int]:
+    from vapo_megatron.data.packing import Sample
+    from vapo_megatron.trainer.batching import dp_share, plan_micro_batches
+
+    share = dp_share(counts, engine.dp_size, engine.dp_rank)
+    # Shapes only: the planner reads lengths, so the tokens stay on meta.
+    samples = [
+        Sample(prompt=torch.empty(1, device=META), response=torch.empty(counts[i] - 1, device=META))
+        for i in share
+    ]
+    batches = 0
+    if samples:
+        plan = plan_micro_batches(
+            samples, engine.layout, token_budget=config.trainer.micro_batch_tokens
+        )
+        batches = len(plan.groups)
+    return {
+        "samples": len(share),
+        "tokens": sum(counts[i] for i in share),
+        "micro_batches": batches,
+    }
+
+
+def planner_workload(config: TrainConfig, world_size: int) -> mp.Workload:
+    """The planner's workload for a recipe: what ``tools/plan.py --recipe`` plans."""
+    bf16 = config.model.dtype == "bfloat16"
+    grad_fp32 = config.gpu.grad_reduce_in_fp32
+    as_tuple = lambda r: (r.granularity, r.method, r.num_layers)  # noqa: E731
+    return mp.Workload(
+        world_size=world_size,
+        prompt_len=config.data.max_prompt_tokens,
+        response_len=config.rollout.max_new_tokens,
+        micro_batch_tokens=config.trainer.micro_batch_tokens,
+        bf16=bf16,
+        distributed_optimizer=config.policy.optim.distributed_optimizer,
+        critic_distributed_optimizer=config.critic.optim.distributed_optimizer,
+        uses_critic=config.algorithm.uses_critic,
+        policy_recompute=as_tuple(config.policy.recompute),
+        critic_recompute=as_tuple(config.critic.recompute),
+        grad_reduce_in_fp32=bf16 if grad_fp32 == "auto" else bool(grad_fp32),
+        rollout_tp=config.rollout.tensor_parallel_size,
+        gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+        offload="rollout" if config.rollout.offload_training_state else "none",
+        enforce_eager=config.rollout.enforce_eager,
+        samples_per_step=config.algorithm.prompts_per_step * config.algorithm.samples_per_prompt,
+    )
+
+
+def dry_run(
+    config: TrainConfig, hf: HFModelConfig, *, world_size: int, ranks: Sequence[int]
+) -> list[RankReport]:
+    """Stand in for each of ``ranks`` of a ``world_size``-rank job (module doc). ValueError
+    with the real run's message where the recipe cannot run at this size."""
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad or not ranks:
+        raise ValueError(
+            f"--ranks {list(ranks)}: each must be in 0..{world_size - 1} (--world-size "
+            f"{world_size}); give at least one"
+        )
+    config.check(world_size)  # before any layout arithmetic: the real run's first refusal
+    roles = _roles(config)
+    counts = synthetic_token_counts(config)
+    work = planner_workload(config, world_size)
+    peer_cache: dict[tuple[str, int], tuple[list, list]] = {}
+
+    def peer_shards(role: str, rank: int) -> tuple[list, list]:
+        if (role, rank) not in peer_cache:
+            with stand_in_for(rank, world_size):
+                model_sd, optimizer_sd = _checkpoint_shards(
+                    _build(config, hf, [role]).engines[role]
+                )
+                peer_cache[role, rank] = (_shards(model_sd), _shards(optimizer_sd))
+        return peer_cache[role, rank]
+
+    reports = []
+    for rank in ranks:
+        peers = {role: _dp_cp_peers(config, role, rank, world_size) for role in roles}
+        for role in roles:  # each peer is a world of its own: built before this rank's
+            for peer in peers[role]:
+                if peer != rank:
+                    peer_shards(role, peer)
+        with stand_in_for(rank, world_size):
+            built = _build(config, hf, roles)
+            k = config.rollout.tensor_parallel_size
+            replica = rank // k
+            from vapo_megatron.trainer.rollout_phase import replica_share
+
+            report = RankReport(
+                rank=rank, world_size=world_size, replica=replica,
+                replica_ranks=list(range(replica * k, replica * k + k)),
+                replica_prompts=len(replica_share(
+                    config.algorithm.prompts_per_step, world_size // k, replica)),
+            )  # fmt: skip
+            for role in roles:
+                engine, groups = built.engines[role], built.groups[role]
+                figures = _engine_bytes(engine)
+                model_sd, optimizer_sd = _checkpoint_shards(engine)
+                figures["optimizer"] = _engine_bytes(engine)["optimizer"]  # moments now built
+                mine = (_shards(model_sd), _shards(optimizer_sd))
+                peer_cache[role, rank] = mine
+                dp_cp = groups.pg_collection.dp_cp
+                lists = [peer_cache[role, p] for p in peers[role]]
+                figures["checkpoint"] = _written_bytes(
+                    model_sd, dp_cp, [m for m, _ in lists]
+                ) + _written_bytes(optimizer_sd, dp_cp, [o for _, o in lists])
+                head = "lm" if role == "policy" else "value"
+                stage = mp.stage_state(hf, engine.layout, work, head=head, pp_rank=groups.pp_rank)
+                pg = groups.parallel
+                report.models.append(
+                    ModelFigures(
+                        role=role,
+                        layout={
+                            "tp": groups.tp_size,
+                            "pp": groups.pp_size,
+                            "cp": groups.cp_size,
+                            "dp": groups.dp_size,
+                        },
+                        coords={
+                            "tp": groups.tp_rank,
+                            "pp": groups.pp_rank,
+                            "cp": groups.cp_rank,
+                            "dp": groups.dp_rank,
+                        },
+                        groups={
+                            "tp": _ranks(pg.tp),
+                            "pp": _ranks(pg.pp),
+                            "cp": _ranks(pg.cp),
+                            "dp": _ranks(pg.dp),
+                            "dp_cp": _ranks(pg.dp_cp),
+                        },
+                        param_count=sum(p.numel() for c in engine.chunks for p in c.parameters()),
+                        built=figures,
+                        planned={
+                            "params": stage.params,
+                            "grads": stage.grads,
+                            "optimizer": stage.optimizer,
+                            "checkpoint": mp.checkpoint_bytes(
+                                hf, engine.layout, work, head=head, pp_rank=groups.pp_rank
+                            ),
+                        },
+                        planned_param_count=mp.shard_param_count(
+                            hf, engine.layout, head=head, pp_rank=groups.pp_rank
+                        ),
+                        data=_data_share(config, engine, counts),
+                    )  # fmt: skip
+                )
+            reports.append(report)
+    return reports
+
+
+ROWS = (
+    ("params", "params (model tensors)"),
+    ("param_buffer", "param buffer (dist. optimizer)"),
+    ("grads", "grad buffer (DDP, padded)"),
+    ("optimizer", "optimizer (main copy + Adam)"),
+    ("checkpoint", "checkpoint tensors written"),
+)
+"""Byte figures of the table: key in ``ModelFigures.built`` / ``planned``, label."""
+
+
+def format_report(report: RankReport) -> str:
+    """One rank's table: groups, then bytes built beside the planner's, then its data share."""
+    lines = [
+        f"== rank {report.rank} of {report.world_size}: vLLM replica {report.replica} (ranks "
+        f"{_span(report.replica_ranks)}, {report.replica_prompts} prompts of the step)"
+    ]
+    for m in report.models:
+        lay, at = m.layout, m.coords
+        lines.append(
+            f"-- {m.role}: tp{lay['tp']} pp{lay['pp']} cp{lay['cp']} dp{lay['dp']}; this rank "
+            f"tp {at['tp']} pp {at['pp']} cp {at['cp']} dp {at['dp']}"
+        )
+        for name, ranks in m.groups.items():
+            lines.append(f"   {name + ' group':14}{_span(ranks)}")
+        diff = m.param_count - m.planned_param_count
+        note = "equal" if diff == 0 else f"planner {m.planned_param_count:,}, diff {diff:+,}"
+        lines.append(f"   parameters    {m.param_count:,} ({note})")
+        lines.append(f"   {'':32}{'built GiB':>10}{'planner GiB':>12}{'diff bytes':>16}")
+        for key, label in ROWS:
+            built, planned = m.built[key], m.planned.get(key)
+            cells = f"{built / mp.GIB:10.3f}"
+            if planned is not None:
+                cells += f"{planned / mp.GIB:12.3f}{built - planned:>+16,}"
+            lines.append(f"   {label:32}{cells}")
+        d = m.data
+        lines.append(
+            f"   step share    {d['samples']} samples, {d['tokens']:,} tokens, "
+            f"{d['micro_batches']} micro-batches (synthetic step)"
+        )
+    return "\n".join(lines)
+
+
+def _span(ranks: Sequence[int]) -> str:
+    """[0, 8, ..., 120] (16) for long lists."""
+    ranks = list(ranks)
+    if len(ranks) <= 8:
+        return str(ranks)
+    return f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)})"
+
+
+def summary(reports: Sequence[RankReport]) -> dict[str, Any]:
+    """The JSON the dry run prints last."""
+    return {
+        "dry_run": True,
+        "world_size": reports[0].world_size if reports else None,
+        "ranks": [
+            {
+                "rank": r.rank,
+                "vllm_replica": r.replica,
+                "vllm_replica_ranks": r.replica_ranks,
+                **{
+                    m.role: {
+                        "layout": m.layout,
+                        "coords": m.coords,
+                        "groups": m.groups,
+                        "param_count": m.param_count,
+                        "planned_param_count": m.planned_param_count,
+                        "built_bytes": m.built,
+                        "planned_bytes": m.planned,
+                        "data": m.data,
+                    }  # fmt: skip
+                    for m in r.models
+                },
+            }
+            for r in reports
+        ],
+        "not_built": list(FALLBACKS),
+    }
+
+
+def read_model_config(spec: str | None, model_path: str) -> tuple[str, HFModelConfig]:
+    """The model to build: a planner preset (``memory_plan.MODEL_PRESETS``), an HF
+    config.json or its directory; None: the recipe's model.path."""
+    import json
+    from pathlib import Path
+
+    spec = model_path if spec is None else spec
+    if spec in mp.MODEL_PRESETS:
+        return spec, HFModelConfig.from_hf(mp.MODEL_PRESETS[spec])
+    path = Path(spec)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(
+            f"model {spec!r} is neither a preset ({', '.join(sorted(mp.MODEL_PRESETS))}) nor an "
+            "HF config.json; pass --model PRESET when the checkpoint is not on this machine"
+        )
+    return str(path), HFModelConfig.from_hf(json.loads(path.read_text()))
+
+
+def run(config: TrainConfig, *, model: str | None, world_size: int, ranks: Sequence[int]) -> None:
+    """``vapo-train RECIPE --dry-run``: print each rank's table, then the JSON summary."""
+    import json
+    import time
+
+    name, hf = read_model_config(model, config.model.path)
+    # Megatron's per-bucket parameter lists and our GPU-settings line, once per rank built.
+    for logger in ("megatron", "vapo_megatron"):
+        logging.getLogger(logger).setLevel(logging.WARNING)
+    started = time.perf_counter()
+    reports = dry_run(config, hf, world_size=world_size, ranks=ranks)
+    print(f"dry run of {config.model.path} ({name}) at world size {world_size}: the trainer's "
+          f"groups, models, DDP and optimizer built on meta under the fake backend")  # fmt: skip
+    for report in reports:
+        print(format_report(report))
+    print("not built (the planner's figure stands):")
+    for line in FALLBACKS:
+        print(f"  - {line}")
+    out = summary(reports)
+    out["seconds"] = round(time.perf_counter() - started, 1)
+    print(f"{len(reports)} rank(s) in {out['seconds']} s")
+    print(json.dumps(out))
