@@ -33,7 +33,7 @@ def rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
-def worker(samples: int, steps: int) -> None:
+def worker(samples: int, steps: int, path: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -54,7 +54,8 @@ def worker(samples: int, steps: int) -> None:
     config = load_recipe(
         REPO / "recipes" / "vapo_qwen2.5_32b.yaml",
         [f"algorithm.prompts_per_step={samples // n}",
-         f"trainer.mini_batch_size={samples // 16}"],  # 16 mini-batches, as at 8,192 samples
+         f"trainer.mini_batch_size={samples // 16}",  # 16 mini-batches, as at 8,192 samples
+         f"trainer.gae_path={path}"],
     )  # fmt: skip
     max_new = config.rollout.max_new_tokens
     prompts = [
@@ -103,8 +104,10 @@ def worker(samples: int, steps: int) -> None:
         vocab_slice = None
         compute_seconds = 0.0
         groups = SimpleNamespace(
-            world=dist.group.WORLD, host=host, parallel=SimpleNamespace(dp_cp=dist.group.WORLD)
-        )
+            world=dist.group.WORLD, host=host,
+            parallel=SimpleNamespace(dp_cp=dist.group.WORLD, cp=None),
+            tp_rank=0, pp_rank=0, cp_rank=0, dp_rank=rank, tp_size=1, pp_size=1, cp_size=1,
+        )  # fmt: skip
 
         def run(self, mbs, loss_fn, *, forward_only=False):
             if forward_only:  # deterministic outputs from the tokens: log-probs and values
@@ -151,14 +154,16 @@ def worker(samples: int, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def run(quick: bool = False, samples: int | None = None) -> None:
+def run(quick: bool = False, samples: int | None = None, path: str = "auto") -> None:
+    """``path``: trainer.gae_path (auto takes the shard path here: both stubs share one
+    layout; flat is the gather-everything path, for before/after figures)."""
     from vapo_megatron.parallel.local_launch import run_local_ranks
 
     samples = samples or (256 if quick else 2048)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONWARNINGS"] = "ignore"
-    command = [sys.executable, __file__, "--worker", str(samples), "2"]
+    command = [sys.executable, __file__, "--worker", str(samples), "2", path]
     start = time.perf_counter()
     outputs = run_local_ranks(command, 2, timeout=1800, env=env, cwd=REPO)
     wall = time.perf_counter() - start
@@ -173,7 +178,7 @@ def run(quick: bool = False, samples: int | None = None) -> None:
     scale = STEP_SAMPLES / results[0]["samples"]
     phases = ("rollout_other", "scoring", "advantages", "update_critic", "update_policy")
     print(f"{samples} samples per step, {results[0]['response_tokens']:,} response tokens, "
-          f"2 gloo ranks (DP2), second step; wall {wall:.0f} s")  # fmt: skip
+          f"2 gloo ranks (DP2), trainer.gae_path={path}, second step; wall {wall:.0f} s")  # fmt: skip
     print(
         f"{'rank':>4} {'bookkeep s':>10} "
         + " ".join(f"{p:>13}" for p in phases)
@@ -195,6 +200,7 @@ def run(quick: bool = False, samples: int | None = None) -> None:
                 "samples": STEP_SAMPLES,
                 "response_tokens": round(results[0]["response_tokens"] * scale),
                 "measured_samples": results[0]["samples"],
+                "gae_path": path,
             }
         )
     )
@@ -202,6 +208,9 @@ def run(quick: bool = False, samples: int | None = None) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), int(sys.argv[3]))
+        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     else:
-        run(samples=int(sys.argv[1]) if len(sys.argv) > 1 else None)
+        run(
+            samples=int(sys.argv[1]) if len(sys.argv) > 1 else None,
+            path=sys.argv[2] if len(sys.argv) > 2 else "auto",
+        )

@@ -59,3 +59,50 @@ def test_bad_samples():
         pad([Sample([1], [2, 3], {"adv": torch.zeros(3)})])
     with pytest.raises(ValueError, match="fields"):
         pad([Sample([1], [2], {"adv": torch.zeros(1)}), Sample([1], [2])])
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("pad_multiple,pad_each", [(1, False), (3, False), (3, True)])
+def test_pack_equals_each_sample_laid_out_alone(cp_size, pad_multiple, pad_each):
+    """Each sequence of a packed row holds exactly what ``pad`` gives that sample alone, at its
+    cu_seqlens_padded start (token ids given as lists and as int32 views); padding is zero."""
+    from vapo_megatron.parallel.context_parallel import split_packed_for_cp
+
+    gen = torch.Generator().manual_seed(cp_size * 10 + pad_multiple)
+    batch = []
+    for k in range(5):
+        n_prompt, n_resp = int(torch.randint(1, 9, (1,), generator=gen)), k % 4
+        prompt = torch.randint(1, 50, (n_prompt,), generator=gen, dtype=torch.int32)
+        response = torch.randint(1, 50, (n_resp,), generator=gen).tolist()
+        adv = torch.randn(n_resp, generator=gen)
+        batch.append(Sample(prompt if k % 2 else prompt.tolist(), response, {"adv": adv}))
+    for rank in range(cp_size):
+        mb = pack(
+            batch, cp_size=cp_size, cp_rank=rank, pad_multiple=pad_multiple, pad_each=pad_each
+        )
+        cu = mb.packed_seq_params.cu_seqlens_q_padded.long()
+        assert (
+            int(cu[-1]) == mb.seq_length
+            and mb.seq_length % (pad_multiple * max(1, 2 * cp_size if cp_size > 1 else 1)) == 0
+        )
+        if pad_each:  # no sequence is lengthened for the row
+            unit = pad_multiple * (2 * cp_size if cp_size > 1 else 1)
+            lengths = [len(s.prompt) + len(s.response) for s in batch]
+            assert cu.diff().tolist() == [-(-n // unit) * unit for n in lengths]
+        full = {
+            name: torch.zeros(mb.seq_length, dtype=dtype)
+            for name, dtype in (
+                ("tokens", torch.long), ("labels", torch.long), ("position_ids", torch.long),
+                ("response_mask", torch.bool), ("adv", torch.float32),
+            )
+        }  # fmt: skip
+        for i, sample in enumerate(batch):
+            alone = pad([sample])
+            n = alone.seq_length
+            for name in full:
+                value = alone.fields["adv"] if name == "adv" else getattr(alone, name)
+                full[name][int(cu[i]) : int(cu[i]) + n] = value[0]
+        for name, row in full.items():
+            got = mb.fields["adv"] if name == "adv" else getattr(mb, name)
+            want = split_packed_for_cp(row, cu, cp_size, rank) if cp_size > 1 else row
+            assert torch.equal(got[0], want), (name, rank)

@@ -143,18 +143,28 @@ def _aligned(sample: Sample) -> tuple[torch.Tensor, ...]:
 
 
 def pack(
-    samples: Sequence[Sample], *, cp_size: int = 1, cp_rank: int = 0, pad_multiple: int = 1
+    samples: Sequence[Sample],
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    pad_multiple: int = 1,
+    pad_each: bool = False,
 ) -> MicroBatch:
     """Pack samples into one THD row [1, t] for this CP rank.
 
     Under CP each sequence is padded to a multiple of 2 * cp_size (the padding is masked and never
     attended to by real tokens); the last one further so the row's length is a multiple of
     ``pad_multiple`` (times 2 * cp_size under CP; e.g. the TP size with sequence parallelism).
+    With ``pad_each`` every sequence is padded to that whole multiple instead, so no sequence
+    is lengthened for the row: a sequence's CP chunks then depend on its own length alone and
+    are the same in every micro-batch it is packed into (the layout-coupled step relies on it,
+    ``trainer/shard_path.py``).
     """
     names = _check(samples)
     aligned = [_aligned(s) for s in samples]
     lengths = [a[0].numel() for a in aligned]
-    padded = [_round_up(n, _cp_multiple(cp_size)) for n in lengths]
+    unit = _cp_multiple(cp_size) * (pad_multiple if pad_each else 1)
+    padded = [_round_up(n, unit) for n in lengths]
     total = _round_up(sum(padded), _cp_multiple(cp_size) * pad_multiple)
     padded[-1] += total - sum(padded)
 

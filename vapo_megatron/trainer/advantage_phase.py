@@ -51,12 +51,16 @@ def monte_carlo_returns(
     rewards: Sequence[float] | torch.Tensor, values: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
     """Critic-pretraining targets: returns with lambda = gamma = 1 (the Monte-Carlo return)."""
-    mc = AlgoConfig(
+    _, returns, _ = gae_advantages(monte_carlo_config(), rewards, values, offsets)
+    return returns
+
+
+def monte_carlo_config() -> AlgoConfig:
+    """GAE settings whose returns are the Monte-Carlo return (lambda_critic = gamma = 1)."""
+    return AlgoConfig(
         lambda_critic=1.0, gamma=1.0, decoupled_gae=True, length_adaptive_alpha=None,
         value_pretrain_steps=0,
     )  # fmt: skip
-    _, returns, _ = gae_advantages(mc, rewards, values, offsets)
-    return returns
 
 
 def group_advantages(

@@ -20,6 +20,8 @@ from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.devices import HOST
 
 FLAT_INDEX = "flat_index"
+LOCAL_INDEX = "local_index"
+"""Position of a response token in this rank's own buffers (``trainer/shard_path.py``)."""
 
 
 class Ragged:
@@ -84,22 +86,27 @@ def response_offsets(lengths: Sequence[int]) -> torch.Tensor:
     return out
 
 
-def dp_share(token_counts: Sequence[int], dp_size: int, dp_rank: int) -> list[int]:
-    """Indices of the samples data-parallel rank ``dp_rank`` takes, balanced by tokens.
+def dp_owners(token_counts: Sequence[int], dp_size: int) -> list[int]:
+    """The data-parallel rank of each sample, balanced by tokens.
 
     Longest first, each to the rank with the fewest tokens so far (ties: lowest rank, then
     the sample's index), so the assignment is the same on every rank and independent of
-    anything but the counts. Returned in ascending sample order.
+    anything but the counts.
     """
     order = sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i))
     loads = [0] * dp_size
-    mine = []
+    owners = [0] * len(token_counts)
     for i in order:
-        rank = min(range(dp_size), key=lambda r: (loads[r], r))
+        rank = min(range(dp_size), key=lambda r: (loads[r], r)) if dp_size > 1 else 0
         loads[rank] += token_counts[i]
-        if rank == dp_rank:
-            mine.append(i)
-    return sorted(mine)
+        owners[i] = rank
+    return owners
+
+
+def dp_share(token_counts: Sequence[int], dp_size: int, dp_rank: int) -> list[int]:
+    """Indices of the samples data-parallel rank ``dp_rank`` takes (``dp_owners``), in
+    ascending sample order."""
+    return [i for i, rank in enumerate(dp_owners(token_counts, dp_size)) if rank == dp_rank]
 
 
 def micro_batches(
@@ -116,26 +123,52 @@ def micro_batches(
     length; under SP rows divide by TP."""
     if not samples:
         return [empty_micro_batch(layout, cp_rank=cp_rank, field_names=field_names)]
+    plan = plan_micro_batches(samples, layout, token_budget=token_budget)
+    return [plan.pack(group, cp_rank) for group in plan.groups]
+
+
+class MicroBatchPlan:
+    """Which samples go into which micro-batch, and how each row is padded, decided before
+    anything is packed (so a caller may pack them a few at a time).
+
+    Without PP each sequence is padded on its own to the row's multiple under CP
+    (``pack(pad_each=True)``): its CP chunks then depend on its length alone, the same in the
+    scoring pass's micro-batches and in any mini-batch's. Under PP every row is padded to one
+    length, which lengthens the last sequence of a row."""
+
+    def __init__(self, groups: list[list[Sample]], layout: ModelLayout, pad_multiple: int):
+        self.groups, self.layout, self.pad_multiple = groups, layout, pad_multiple
+        self.pad_each = layout.cp > 1 and layout.pp == 1
+
+    def pack(self, group: Sequence[Sample], cp_rank: int) -> MicroBatch:
+        return pack(
+            group, cp_size=self.layout.cp, cp_rank=cp_rank, pad_multiple=self.pad_multiple,
+            pad_each=self.pad_each,
+        )  # fmt: skip
+
+
+def plan_micro_batches(
+    samples: Sequence[Sample], layout: ModelLayout, *, token_budget: int
+) -> MicroBatchPlan:
+    """The micro-batches ``micro_batches`` packs ``samples`` (at least one) into."""
     cp_multiple = 2 * layout.cp if layout.cp > 1 else 1
+    tp_multiple = layout.tp if layout.sequence_parallel else 1
+    unit = cp_multiple * tp_multiple if layout.cp > 1 and layout.pp == 1 else cp_multiple
     groups: list[list[Sample]] = [[]]
     used = 0
     for sample in samples:
-        length = -(-(len(sample.prompt) + len(sample.response)) // cp_multiple) * cp_multiple
+        length = -(-(len(sample.prompt) + len(sample.response)) // unit) * unit
         if groups[-1] and used + length > token_budget:
             groups.append([])
             used = 0
         groups[-1].append(sample)
         used += length
-    tp_multiple = layout.tp if layout.sequence_parallel else 1
     pad_multiple = tp_multiple
     if layout.pp > 1:  # one row length for the pipeline: the longest packed row, rounded
         longest = max(_packed_length(g, cp_multiple) for g in groups)
         unit = cp_multiple * tp_multiple
         pad_multiple = -(-longest // unit) * unit // cp_multiple
-    return [
-        pack(group, cp_size=layout.cp, cp_rank=cp_rank, pad_multiple=pad_multiple)
-        for group in groups
-    ]
+    return MicroBatchPlan(groups, layout, pad_multiple)
 
 
 def _packed_length(samples: Sequence[Sample], cp_multiple: int) -> int:
@@ -148,8 +181,9 @@ def empty_micro_batch(
     """A micro-batch whose every position is masked: zero loss, zero gradient, same collectives."""
     length = 2 * layout.cp * max(layout.tp if layout.sequence_parallel else 1, 1)
     fields = {name: torch.zeros(1, device=HOST) for name in field_names}
-    if FLAT_INDEX in fields:
-        fields[FLAT_INDEX] = torch.zeros(1, dtype=torch.long, device=HOST)
+    for index in (FLAT_INDEX, LOCAL_INDEX):
+        if index in fields:
+            fields[index] = torch.zeros(1, dtype=torch.long, device=HOST)
     if "positive" in fields:
         fields["positive"] = torch.zeros(1, dtype=torch.bool, device=HOST)
     sample = Sample(prompt=[0] * (length - 1), response=[0], fields=fields)

@@ -236,6 +236,11 @@ class TrainerSettings:
     """Token budget of one packed micro-batch per rank (a longer sample gets one of its own)."""
     whiten_advantages: bool = False
     """Normalise advantages to zero mean, unit std over the step's response tokens."""
+    gae_path: str = "auto"
+    """Where the scoring passes' per-token outputs live (``trainer/shard_path.py``). auto: on
+    each data-parallel rank's own samples, GAE on the critic's context-parallel shards, when
+    the scoring models share one layout (and not CP with PP); otherwise gathered to every rank
+    (flat). shards: that, or an error saying why not. flat: always gathered."""
     max_sampling_rounds: int = 4
     """Dynamic sampling: at most this many rollout rounds to fill the batch."""
     seed: int = 1
@@ -374,6 +379,10 @@ class TrainConfig:
                 "tools/convert.py hf-to-mcore --critic-from reward-model, or an HF "
                 "*ForSequenceClassification directory); set it, or set "
                 "algorithm.critic_init=policy to start the critic from the policy's weights"
+            )
+        if trainer.gae_path not in ("auto", "shards", "flat"):
+            raise ValueError(
+                f"trainer.gae_path must be auto, shards or flat, got {trainer.gae_path!r}"
             )
         if trainer.dist_timeout_minutes <= 0:
             raise ValueError(

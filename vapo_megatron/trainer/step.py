@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vapo_megatron.algorithms.losses import explained_variance, explained_variance_stats
 from vapo_megatron.data.packing import Sample
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
@@ -38,6 +37,16 @@ from vapo_megatron.trainer.rollout_phase import (
 from vapo_megatron.trainer.rollout_store import load_rollouts, save_rollouts
 from vapo_megatron.trainer.scoring import score_flat
 from vapo_megatron.trainer.session import Session
+from vapo_megatron.trainer.shard_path import (
+    ShardInputs,
+    TokenFields,
+    TokenSums,
+    choose_path,
+    critic_metrics,
+    lambda_metrics,
+    run_shard_path,
+    step_share,
+)
 from vapo_megatron.trainer.updates import train_on_share
 
 if TYPE_CHECKING:
@@ -46,7 +55,6 @@ if TYPE_CHECKING:
     from vapo_megatron.trainer.model_engine import ModelEngine
 
 logger = logging.getLogger("vapo_megatron")
-STAT_BLOCK = 1 << 22  # tokens per block of the step's float64 metrics
 
 
 class Timer:
@@ -235,73 +243,58 @@ def run_step(
         metrics["skipped_step"] = 1.0
         return metrics
 
-    # 5. Scoring pass: old log-probs (policy, at the sampling temperature), values (critic).
+    # 5-6. Scoring pass (old log-probs at the sampling temperature, values), advantages and
+    # critic targets: kept on each DP rank's samples (GAE on the critic's CP shards), or
+    # gathered to every rank where the layouts differ (trainer/shard_path.py).
     prompts, responses = trajectories.prompts, trajectories.responses
     offsets = responses.offsets
     budget = trainer.micro_batch_tokens
-    old_logprobs = None
-    if not pretrain:
-        old_logprobs = score_flat(
-            session.policy, prompts, responses, output_key="logprobs", token_budget=budget,
-            scoring_fn=logprob_scoring_fn(
-                session.policy.vocab_slice, temperature=cfg.rollout.temperature
-            ),
-        )  # fmt: skip
-        rollout_lp = trajectories.rollout_logprobs
-        gap = (torch.exp(rollout_lp - old_logprobs) - 1).abs().mean().item()
-        metrics["rollout/logprob_gap"] = gap
-        if gap > cfg.rollout.logprob_gap_warn:
-            logger.warning(
-                "step %d: rollout/trainer log-prob gap %.3g > rollout.logprob_gap_warn=%.3g: "
-                "the engine may hold stale or wrongly synced weights",
-                step, gap, cfg.rollout.logprob_gap_warn,
-            )  # fmt: skip
-    values = None
     uses_critic = algo.uses_critic and session.critic is not None
-    if uses_critic:
-        # Temperature is the policy's; the critic's values are never divided by it.
-        values = score_flat(
-            session.critic, prompts, responses, output_key="values", token_budget=budget,
-            scoring_fn=value_scoring_fn(),
-        )  # fmt: skip
-    timer.lap("scoring")
+    scorers = [session.critic] if pretrain else [session.policy]
+    if uses_critic and not pretrain:
+        scorers.append(session.critic)
+    choice = choose_path(scorers, requested=trainer.gae_path, host_group=session.host_group)
+    if getattr(session, "data_path", None) != choice.name:
+        logger.info(
+            "step %d: per-token outputs on the %s path: %s", step, choice.name, choice.reason
+        )
+        session.data_path = choice.name
+    metrics["data/shard_path"] = float(choice.name == "shards")
+    num_minibatches = max(1, cfg.samples_per_step // trainer.mini_batch_size)
+    token_counts = (prompts.lengths() + responses.lengths()).tolist()
 
-    # 6. Advantages and critic targets.
-    rewards = trajectories.reward
-    advantages = returns = None
-    if pretrain:
-        returns = adv.monte_carlo_returns(rewards, values, offsets)
-    elif algo.uses_critic:
-        advantages, returns, lam_policy = adv.gae_advantages(algo, rewards, values, offsets)
-        metrics.update(
-            {
-                "lambda_policy/mean": lam_policy.double().mean().item(),
-                "lambda_policy/min": lam_policy.min().item(),
-                "lambda_policy/max": lam_policy.max().item(),
-            }
-        )
+    def parts_of(epoch: int) -> list[torch.Tensor]:
+        seed = cfg.trainer.seed * 1_000_003 + step * 101 + epoch
+        return minibatch_indices(len(trajectories), num_minibatches, seed)
+
+    share = None
+    if choice.name == "shards":
+        lead = scorers[-1]
+        share = step_share(
+            parts_of(0), token_counts, responses.lengths(), dp_size=lead.dp_size,
+            dp_rank=lead.dp_rank,
+        )  # fmt: skip
+        fields, path_metrics = run_shard_path(
+            algo, share,
+            ShardInputs(prompts, responses, trajectories.reward, trajectories.rollout_logprobs),
+            policy=None if pretrain else session.policy,
+            critic=session.critic if uses_critic else None,
+            logprob_fn=_logprob_fn(session), value_fn=value_scoring_fn(), monte_carlo=pretrain,
+            whiten=trainer.whiten_advantages and not pretrain, token_budget=budget,
+            host_group=session.host_group,
+        )  # fmt: skip
+        timer.lap("scoring")  # scoring and GAE interleave on this path: one lap for both
+        timer.seconds["advantages"] = 0.0
     else:
-        advantages = adv.group_advantages(algo, rewards, offsets)
-    if advantages is not None and trainer.whiten_advantages:
-        advantages = adv.whiten(advantages)
-    # Statistics in float64 over blocks of tokens: no float64 copy of a whole step's buffer.
-    if values is not None:
-        stats = sum(
-            explained_variance_stats(r, v, torch.ones_like(r, dtype=torch.bool))
-            for r, v in zip(returns.split(STAT_BLOCK), values.split(STAT_BLOCK), strict=True)
-        )
-        metrics["critic/explained_variance"] = explained_variance(stats).item()
-        metrics["critic/values_mean"] = values.sum(dtype=torch.float64).item() / values.numel()
-        metrics["critic/returns_mean"] = returns.sum(dtype=torch.float64).item() / returns.numel()
-    if advantages is not None:
-        count = advantages.numel()
-        mean = advantages.sum(dtype=torch.float64).item() / count
-        squares = sum(
-            (block.double() - mean).square().sum().item() for block in advantages.split(STAT_BLOCK)
-        )
-        metrics["advantages/mean"] = mean
-        metrics["advantages/std"] = math.sqrt(squares / (count - 1)) if count > 1 else 0.0
-    timer.lap("advantages")
+        fields, path_metrics = _flat_path(session, trajectories, pretrain=pretrain, timer=timer)
+    metrics.update(path_metrics)
+    gap = metrics.get("rollout/logprob_gap", 0.0)
+    if gap > cfg.rollout.logprob_gap_warn:
+        logger.warning(
+            "step %d: rollout/trainer log-prob gap %.3g > rollout.logprob_gap_warn=%.3g: "
+            "the engine may hold stale or wrongly synced weights",
+            step, gap, cfg.rollout.logprob_gap_warn,
+        )  # fmt: skip
 
     # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
     positive = (trajectories.acc > 0).tolist()
@@ -312,18 +305,23 @@ def run_step(
     )
 
     def critic_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
-        return {"returns": returns[flat], "old_values": values[flat]}
+        length = flat.stop - flat.start
+        return {name: fields.of(name, i, length) for name in ("returns", "old_values")}
 
     def policy_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
         length = flat.stop - flat.start
         return {
-            "old_logprobs": old_logprobs[flat],
-            "advantages": advantages[flat],
+            "old_logprobs": fields.of("old_logprobs", i, length),
+            "advantages": fields.of("advantages", i, length),
             "positive": torch.full((length,), positive[i], dtype=torch.bool, device=HOST),
             "seq_num_tokens": torch.full((length,), float(length), device=HOST),
         }
 
-    num_minibatches = max(1, cfg.samples_per_step // trainer.mini_batch_size)
+    def mine(engine: ModelEngine, chosen: list[int]) -> list[int]:
+        if share is not None:  # the samples this rank scored, for the whole step
+            return share.mine(chosen, engine.dp_rank)
+        return _dp_share(engine, chosen, token_counts)
+
     vocab = session.policy.vocab_slice
 
     def critic_loss(norm):
@@ -332,15 +330,13 @@ def run_step(
     def policy_loss(norm):
         return policy_loss_fn(algo, norm, vocab, temperature=cfg.rollout.temperature)
 
-    token_counts = (prompts.lengths() + responses.lengths()).tolist()
     critic_parts, policy_parts = [], []
     for epoch in range(trainer.ppo_epochs):
-        seed = cfg.trainer.seed * 1_000_003 + step * 101 + epoch
-        for part in minibatch_indices(len(trajectories), num_minibatches, seed):
+        for part in parts_of(epoch):
             chosen = part.tolist()
             if uses_critic:
-                mine = _dp_share(session.critic, chosen, token_counts)
-                samples = build_samples(prompts, responses, mine, offsets, critic_fields)
+                ids = mine(session.critic, chosen)
+                samples = build_samples(prompts, responses, ids, offsets, critic_fields)
                 critic_parts.append(
                     train_on_share(
                         session.critic,
@@ -356,8 +352,8 @@ def run_step(
             chosen = [i for i in chosen if trainable_policy[i]]
             if not chosen:  # every sample overlong-filtered: no update (the same on all ranks)
                 continue
-            mine = _dp_share(session.policy, chosen, token_counts)
-            samples: list[Sample] = build_samples(prompts, responses, mine, offsets, policy_fields)
+            ids = mine(session.policy, chosen)
+            samples: list[Sample] = build_samples(prompts, responses, ids, offsets, policy_fields)
             policy_parts.append(
                 train_on_share(
                     session.policy,
@@ -393,6 +389,68 @@ def run_step(
     tokens = int(prompts.offsets[-1]) + int(responses.offsets[-1])
     metrics["tokens_per_second"] = tokens / total if total > 0 else math.nan
     return metrics
+
+
+def _logprob_fn(session: Session):
+    """The policy's scoring function: log-probs at the sampling temperature."""
+    return logprob_scoring_fn(
+        session.policy.vocab_slice, temperature=session.config.rollout.temperature
+    )
+
+
+def _flat_path(
+    session: Session, trajectories: Trajectories, *, pretrain: bool, timer: Timer
+) -> tuple[TokenFields, dict[str, float]]:
+    """The scoring passes gathered to every rank (``score_flat``), then advantages and critic
+    targets over the whole step's flat tokens: any pair of layouts."""
+    cfg = session.config
+    algo, trainer = cfg.algorithm, cfg.trainer
+    prompts, responses = trajectories.prompts, trajectories.responses
+    offsets = responses.offsets
+    budget = trainer.micro_batch_tokens
+    metrics: dict[str, float] = {}
+    arrays: dict[str, torch.Tensor] = {}
+    if not pretrain:
+        arrays["old_logprobs"] = old_logprobs = score_flat(
+            session.policy, prompts, responses, output_key="logprobs", token_budget=budget,
+            scoring_fn=_logprob_fn(session),
+        )  # fmt: skip
+        rollout_lp = trajectories.rollout_logprobs
+        metrics["rollout/logprob_gap"] = (
+            (torch.exp(rollout_lp - old_logprobs) - 1).abs().mean().item()
+        )
+    values = None
+    if algo.uses_critic and session.critic is not None:
+        # Temperature is the policy's; the critic's values are never divided by it.
+        arrays["old_values"] = values = score_flat(
+            session.critic, prompts, responses, output_key="values", token_budget=budget,
+            scoring_fn=value_scoring_fn(),
+        )  # fmt: skip
+    timer.lap("scoring")
+
+    rewards = trajectories.reward
+    advantages = returns = None
+    if pretrain:
+        returns = adv.monte_carlo_returns(rewards, values, offsets)
+    elif algo.uses_critic:
+        advantages, returns, lam_policy = adv.gae_advantages(algo, rewards, values, offsets)
+        metrics.update(lambda_metrics(lam_policy))
+    else:
+        advantages = adv.group_advantages(algo, rewards, offsets)
+    if advantages is not None and trainer.whiten_advantages:
+        advantages = adv.whiten(advantages)
+    everything = TokenSums(None, None)
+    if values is not None:
+        metrics.update(critic_metrics(everything, returns, values, int(offsets[-1])))
+    if advantages is not None:
+        mean, std = everything.mean_std(advantages)
+        metrics["advantages/mean"] = mean
+        metrics["advantages/std"] = std
+        arrays["advantages"] = advantages
+    if returns is not None:
+        arrays["returns"] = returns
+    timer.lap("advantages")
+    return TokenFields(offsets[:-1].tolist(), arrays), metrics
 
 
 def _rollout_metrics(
