@@ -180,6 +180,18 @@ def _roles(config: TrainConfig) -> list[str]:
     return ["policy", "critic"] if config.algorithm.uses_critic else ["policy"]
 
 
+def make_adam_state(engine) -> None:
+    """Adam's moments, as after the first step, from megatron's own ``init_state_fn`` (what a
+    checkpoint load lays out before it reads), with the distributed optimizer's per-parameter
+    step that the trainer's save gives a fresh optimizer."""
+    from vapo_megatron.trainer import checkpointing as ckpt
+
+    for opt in ckpt._sub_optimizers(engine.optimizer):
+        if opt.init_state_fn is not None:
+            opt.init_state_fn(opt.optimizer, opt.config)
+        ckpt._give_fresh_state_a_step(opt)
+
+
 def _checkpoint_shards(engine) -> tuple[dict, dict]:
     """The model's and the optimizer's sharded state dicts as the trainer's save builds them
     (the optimizer's from the model's before its factories apply), factories applied."""
@@ -188,8 +200,7 @@ def _checkpoint_shards(engine) -> tuple[dict, dict]:
     from vapo_megatron.trainer import checkpointing as ckpt
 
     state = ckpt.TrainableState.from_engine(engine)
-    for opt in ckpt._sub_optimizers(engine.optimizer):
-        ckpt._give_fresh_state_a_step(opt)  # megatron's init_state_fn: Adam's moments
+    make_adam_state(engine)
     model_sd = ckpt._model_sharded_state(state)
     optimizer_sd = engine.optimizer.sharded_state_dict(
         model_sd, is_loading=False, metadata=ckpt._optimizer_metadata(state)

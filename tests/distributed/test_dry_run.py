@@ -1,0 +1,139 @@
+"""``vapo-train RECIPE --dry-run``: one process standing in for ranks of an N-rank job.
+
+The tiny recipe's dry run at world 2 equals a real 2-rank gloo build of the same recipe
+(groups, parameter counts, every byte figure, and the checkpoint tensors each rank writes
+against the files megatron's writer really wrote); the 32B recipe at world 128 and the 7B
+recipe at world 8 build, and agree with the planner's exact parameter counts; a world size the
+layout cannot use fails with the real run's message.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.trainer_runs import make_assets, plain_env
+from tests.launcher import REPO_ROOT, run_workers
+
+pytestmark = pytest.mark.distributed
+TRAIN = REPO_ROOT / "vapo_megatron" / "train.py"
+TINY = REPO_ROOT / "recipes" / "tiny_cpu.yaml"
+WORKER = Path(__file__).parent / "workers" / "dry_run_worker.py"
+
+
+def dry_run(recipe: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TRAIN), str(REPO_ROOT / "recipes" / recipe), "--dry-run", *args],
+        env={**plain_env(), "PYTHONWARNINGS": "ignore"}, cwd=REPO_ROOT, capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> list[str]:
+    made = make_assets(tmp_path_factory.mktemp("dry_run_assets"))
+    return [f"{k}={v}" for k, v in made.items()]
+
+
+@pytest.mark.timeout(300)
+def test_tiny_dry_run_equals_a_real_two_rank_build(assets: list[str], tmp_path: Path) -> None:
+    outputs = run_workers(WORKER, 2, str(tmp_path / "ckpt"), str(TINY), *assets, timeout=240)
+    real = {}
+    for text in outputs:
+        line = next(x for x in text.splitlines() if x.startswith("DRYRUN-REAL "))
+        found = json.loads(line.removeprefix("DRYRUN-REAL "))
+        real[found["rank"]] = found
+    done = dry_run("tiny_cpu.yaml", "--world-size", "2", "--ranks", "0,1", *assets)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    dry = {r["rank"]: r for r in last_json(done.stdout)["ranks"]}
+    for rank in (0, 1):
+        for role in ("policy", "critic"):
+            want, have = real[rank][role], dry[rank][role]
+            assert have["groups"] == want["groups"], (rank, role)
+            assert have["param_count"] == want["param_count"] == have["planned_param_count"]
+            for key in ("params", "param_buffer", "grads", "optimizer"):
+                assert have["built_bytes"][key] == want["built_bytes"][key], (rank, role, key)
+            # The files hold the tensors this rank writes plus torch's framing of each (~3 %
+            # on tensors this small): a shard assigned to the wrong rank would be far off.
+            written = have["built_bytes"]["checkpoint"]
+            on_disk = sum(n for f, n in real[rank]["written"].items() if f.startswith(role))
+            assert written <= on_disk <= written * 1.05, (rank, role, written, on_disk)
+    # The tiny policy is TP 2 (each rank its own half), the critic DP 2 (replicas split).
+    assert dry[0]["policy"]["groups"]["tp"] == [0, 1]
+    assert dry[0]["critic"]["groups"]["dp"] == [0, 1]
+
+
+@pytest.mark.timeout(180)
+def test_32b_recipe_at_world_128_builds_and_agrees_with_the_planner() -> None:
+    done = dry_run("vapo_qwen2.5_32b.yaml", "--world-size", "128", "--ranks", "0,127",
+                   "--model", "qwen2.5-32b")  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = last_json(done.stdout)
+    assert summary["world_size"] == 128 and [r["rank"] for r in summary["ranks"]] == [0, 127]
+    first, last = summary["ranks"]
+    for report in (first, last):
+        for role in ("policy", "critic"):
+            model = report[role]
+            assert model["layout"] == {"tp": 8, "pp": 1, "cp": 2, "dp": 8}
+            assert model["param_count"] == model["planned_param_count"]
+            built, planned = model["built_bytes"], model["planned_bytes"]
+            for key in ("params", "grads", "optimizer"):  # DP x CP = 16 divides every bucket
+                assert built[key] == planned[key], (role, key)
+            assert abs(built["checkpoint"] - planned["checkpoint"]) < 0.01 * planned["checkpoint"]
+            assert model["data"]["samples"] == 512 * 16 // 8
+    assert first["policy"]["groups"]["tp"] == list(range(8))
+    assert first["policy"]["groups"]["cp"] == [0, 8]
+    assert first["policy"]["groups"]["dp"] == list(range(0, 128, 16))
+    assert last["policy"]["coords"] == {"tp": 7, "pp": 0, "cp": 1, "dp": 7}
+    assert first["vllm_replica_ranks"] == [0, 1, 2, 3] and last["vllm_replica"] == 31
+    assert "== rank 127 of 128" in done.stdout and "not built" in done.stdout
+
+
+@pytest.mark.timeout(120)
+def test_7b_recipe_at_world_8() -> None:
+    done = dry_run("vapo_qwen2.5_7b.yaml", "--world-size", "8", "--ranks", "0,3,7",
+                   "--model", "qwen2.5-7b")  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for report in last_json(done.stdout)["ranks"]:
+        for role in ("policy", "critic"):
+            model = report[role]
+            assert model["layout"] == {"tp": 4, "pp": 1, "cp": 1, "dp": 2}
+            assert model["param_count"] == model["planned_param_count"]
+            assert model["built_bytes"]["params"] == model["planned_bytes"]["params"]
+    assert [r["vllm_replica"] for r in last_json(done.stdout)["ranks"]] == [0, 1, 3]
+
+
+@pytest.mark.timeout(180)
+def test_a_world_the_layout_cannot_use_fails_as_the_real_run_does(
+    assets: list[str], tmp_path: Path
+) -> None:
+    # The tiny policy is TP 2: 3 ranks cannot hold it.
+    real = subprocess.run(
+        [sys.executable, str(TRAIN), str(TINY), *assets, "trainer.local_world_size=3",
+         f"trainer.run_dir={tmp_path / 'run'}", "trainer.progress_bar=false"],
+        env={**plain_env(), "PYTHONWARNINGS": "ignore"}, cwd=REPO_ROOT, capture_output=True,
+        text=True, timeout=150,
+    )  # fmt: skip
+    assert real.returncode != 0
+    log = (tmp_path / "run" / "logs").glob("*")
+    real_text = real.stdout + real.stderr + "".join(p.read_text() for p in log if p.is_file())
+    dry = dry_run("tiny_cpu.yaml", "--world-size", "3", *assets)
+    assert dry.returncode == 2, dry.stdout[-2000:] + dry.stderr[-2000:]
+    message = next(x for x in dry.stderr.splitlines() if " ERROR " in x).split(" ERROR ", 1)[1]
+    assert "does not divide the world size 3" in message
+    assert message in real_text
+
+
+def test_ranks_outside_the_world_are_refused() -> None:
+    done = dry_run("vapo_qwen2.5_7b.yaml", "--world-size", "8", "--ranks", "0,8",
+                   "--model", "qwen2.5-7b", timeout=60)  # fmt: skip
+    assert done.returncode == 2
+    assert "--ranks [0, 8]: each must be in 0..7" in done.stderr
