@@ -28,7 +28,11 @@
 #   PREFLIGHT        1: check the recipe against the world size (tools/plan.py) before launching
 #   DRY_RUN          1: print the resolved commands, environment and layout, check the inputs
 #                    (slurm/check_inputs.py: data, model, checkpoints; one line per missing piece
-#                    with the command that makes it) and the plan (tools/plan.py), start nothing
+#                    with the command that makes it), build DRY_RUN_RANKS of the job in one
+#                    process (vapo-train --dry-run: the real groups, models, DDP buffers and
+#                    optimizer shards on the meta device) and print the plan (tools/plan.py);
+#                    start nothing
+#   DRY_RUN_RANKS    ranks the dry run stands in for, comma-separated (default 0)
 #   BUILD_IMAGE      1: build CONTAINER_IMAGE from BASE_IMAGE with the project installed, then exit
 #
 # Launch: one Slurm task per GPU (srun --ntasks-per-node=GPUS_PER_NODE), each task one trainer
@@ -62,6 +66,7 @@ vapo_defaults() {
     : "${MAX_REQUEUES:=20}"
     : "${PREFLIGHT:=1}"
     : "${DRY_RUN:=0}"
+    : "${DRY_RUN_RANKS:=0}"
     : "${BUILD_IMAGE:=0}"
     if [[ -n "${SLURM_JOB_NUM_NODES:-}" && "$NODES" != "$SLURM_JOB_NUM_NODES" ]]; then
         echo "NODES=$NODES but the allocation has $SLURM_JOB_NUM_NODES nodes;" \
@@ -144,6 +149,9 @@ vapo_commands() {
     [[ -n "$MODEL_PRESET" ]] && PLAN_CMD+=(--model "$MODEL_PRESET")
     local item
     for item in "${OVERRIDES[@]}"; do PLAN_CMD+=(--set "$item"); done
+    BUILD_CMD=("$PYTHON" -m vapo_megatron.train "$RECIPE" "${OVERRIDES[@]}" --dry-run
+        --world-size "$WORLD_SIZE_TOTAL" --ranks "$DRY_RUN_RANKS")
+    [[ -n "$MODEL_PRESET" ]] && BUILD_CMD+=(--model "$MODEL_PRESET")
     CHECK_CMD=("$PYTHON" slurm/check_inputs.py "$RECIPE" "${OVERRIDES[@]}"
         --hf-model "$HF_MODEL_ID")
     [[ -n "$REWARD_MODEL_ID" ]] && CHECK_CMD+=(--reward-model "$REWARD_MODEL_ID")
@@ -172,6 +180,9 @@ vapo_print() {
     echo
     echo "-- inputs check"
     printf '%q ' "${CHECK_CMD[@]}"
+    echo
+    echo "-- build of ranks $DRY_RUN_RANKS in one process (dry run only)"
+    printf '%q ' "${BUILD_CMD[@]}"
     echo
     echo "-- layout check and memory plan"
     printf '%q ' "${PLAN_CMD[@]}"
@@ -238,11 +249,16 @@ vapo_main() {
         echo "-- inputs"
         "${CHECK_CMD[@]}"
         local inputs=$?
+        echo "-- build"
+        "${BUILD_CMD[@]}"
+        local build=$?
         echo "-- plan"
         "${PLAN_CMD[@]}"
         local plan=$?
         ((inputs == 0)) || echo "dry run: inputs missing (MISSING/BAD lines above)" >&2
-        return $((plan != 0 ? plan : inputs))
+        ((build == 0)) || echo "dry run: the build of ranks $DRY_RUN_RANKS failed (above)" >&2
+        ((plan != 0)) && return "$plan"
+        return $((build != 0 ? build : inputs))
     fi
     if [[ -z "${SLURM_JOB_ID:-}" ]]; then
         echo "not inside a Slurm job: submit with sbatch, or set DRY_RUN=1" >&2

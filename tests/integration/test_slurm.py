@@ -99,6 +99,10 @@ def test_dry_run_prints_and_validates(script: str, inputs: dict[str, str]) -> No
     assert policy["tp"] * policy["pp"] * policy["cp"] * policy["dp"] == world
     assert "rollout_tp" in summary["layout"]
     assert "vLLM TP" in out and "tp" in out
+    # The build of rank 0 in one process (vapo-train --dry-run): the real objects' parameters
+    # equal the planner's count.
+    assert f"== rank 0 of {world}: vLLM replica 0" in out
+    assert out.count(" (equal)\n") == 2  # policy and critic
 
 
 def test_dry_run_names_each_missing_input_with_the_command_that_makes_it(tmp_path) -> None:
