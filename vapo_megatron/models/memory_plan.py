@@ -349,16 +349,42 @@ def stage_state(
     )
 
 
-def checkpoint_bytes(
-    hf: HFModelConfig, layout: ModelLayout, work: Workload, *, head: Head, pp_rank: int
+def tp_replicated_param_count(
+    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int
 ) -> int:
-    """Tensor bytes one rank at ``pp_rank`` writes to a training checkpoint: its stage's
-    weights and Adam state (fp32 main copy with bf16 params, two moments) split evenly over
-    the DP x CP ranks, as megatron's fully parallel save balances them (the distributed
-    optimizer's shards are already split so)."""
+    """Parameters every TP rank of a stage holds whole: the RMSNorm weights (and the value
+    head). A checkpoint stores them once, from TP rank 0."""
+    count = 2 * hf.hidden_size * hf.num_layers // layout.pp
+    if pp_rank == layout.pp - 1:
+        count += hf.hidden_size * (2 if head == "value" else 1)  # final norm, value head
+    return count
+
+
+def checkpoint_bytes(
+    hf: HFModelConfig,
+    layout: ModelLayout,
+    work: Workload,
+    *,
+    head: Head,
+    pp_rank: int,
+    tp_rank: int = 0,
+) -> int:
+    """Tensor bytes one rank writes to a training checkpoint: its stage's weights and Adam
+    state split evenly over the DP x CP ranks, as megatron's fully parallel save balances
+    them (the distributed optimizer's shards are split so already); weights replicated over
+    TP (norms) only from TP rank 0, and with the plain optimizer their Adam state too (the
+    distributed optimizer saves each TP rank's buckets whole). Per parameter: the weight, two fp32 moments and an fp32 main
+    copy, except with fp32 weights and the plain optimizer (its main copy is the weight);
+    the distributed optimizer saves its main copy even in fp32."""
     params = shard_param_count(hf, layout, head=head, pp_rank=pp_rank)
-    per_param = (2 + 12) if work.bf16 else (4 + 8)
-    return math.ceil(params * per_param / (work.world_size // (layout.tp * layout.pp)))
+    sharded = distributed_optimizer(work, head)
+    weight = 2 if work.bf16 else 4
+    per_param = weight + 8 + (4 if work.bf16 or sharded else 0)
+    total = params * per_param
+    if tp_rank > 0:  # the distributed optimizer's buckets are per TP rank, norms included
+        replicated = tp_replicated_param_count(hf, layout, head=head, pp_rank=pp_rank)
+        total -= replicated * (weight if sharded else per_param)
+    return math.ceil(total / (work.world_size // (layout.tp * layout.pp)))
 
 
 def model_memory(

@@ -439,7 +439,12 @@ def dry_run(
                             "grads": stage.grads,
                             "optimizer": stage.optimizer,
                             "checkpoint": mp.checkpoint_bytes(
-                                hf, engine.layout, work, head=head, pp_rank=groups.pp_rank
+                                hf,
+                                engine.layout,
+                                work,
+                                head=head,
+                                pp_rank=groups.pp_rank,
+                                tp_rank=groups.tp_rank,
                             ),
                         },
                         planned_param_count=mp.shard_param_count(
