@@ -21,6 +21,7 @@ import resource
 import sys
 import tempfile
 import time
+from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -67,7 +68,8 @@ def worker(samples: int, steps: int, path: str) -> None:
     ]
 
     class Rollout:
-        """Synthetic generation of the recipe's lengths; odd samples are correct."""
+        """Synthetic generation of the recipe's lengths; odd samples are correct. Outputs as
+        ``RolloutEngine.generate`` hands them (``array('i')`` ids, ``array('f')`` log-probs)."""
 
         def generate(self, prompt_ids, *, n, seed, **_):
             lengths = response_lengths(len(prompt_ids) * n, seed=seed).clamp(max=max_new)
@@ -75,8 +77,8 @@ def worker(samples: int, steps: int, path: str) -> None:
             for i, length in enumerate(lengths.tolist()):
                 out.append(
                     SimpleNamespace(
-                        prompt_index=i // n, response_token_ids=list(range(1, length + 1)),
-                        logprobs=[-0.5] * length,
+                        prompt_index=i // n, response_token_ids=array("i", range(1, length + 1)),
+                        logprobs=array("f", [-0.5]) * length,
                         finish_reason="length" if length == max_new else "stop",
                     )
                 )  # fmt: skip

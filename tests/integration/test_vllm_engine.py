@@ -79,6 +79,7 @@ def hf_greedy(model, prompt_ids, max_new_tokens=MAX_NEW_TOKENS):
 
 def hf_token_logprobs(model, prompt, response, temperature=1.0):
     """Log-softmax of transformers' logits at the positions that predict each response token."""
+    prompt, response = list(prompt), list(response)
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
         logits = model(ids).logits[0].double() / temperature
@@ -89,7 +90,7 @@ def hf_token_logprobs(model, prompt, response, temperature=1.0):
 
 def greedy(engine, prompt_ids, **kwargs):
     samples = engine.generate(prompt_ids, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, **kwargs)
-    return [s.response_token_ids for s in samples], samples
+    return [s.response_token_ids.tolist() for s in samples], samples
 
 
 def hf_tensors(model):
@@ -201,7 +202,9 @@ class TestInProcessEngine:
         samples = engine.generate(
             prompt_ids, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=[stop]
         )
-        assert samples[0].response_token_ids == full[:4]  # the stop token is part of the response
+        assert (
+            samples[0].response_token_ids.tolist() == full[:4]
+        )  # the stop token is part of the response
         assert samples[0].finish_reason == "stop"
         assert len(samples[0].logprobs) == 4
 

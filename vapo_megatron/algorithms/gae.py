@@ -29,7 +29,7 @@ import torch
 CHUNK = 16
 SCAN_CHUNK = 64  # tokens per chunk of the packed (segmented) scan
 SCAN_TILE = 16  # chunks per tile of its position-major layout
-GAE_BLOCK_TOKENS = 1 << 22  # tokens per block of whole sequences in packed GAE (memory bound)
+GAE_BLOCK_TOKENS = 1 << 20  # tokens per block of whole sequences in packed GAE (memory bound)
 
 
 def length_adaptive_lambda(num_response_tokens: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -198,9 +198,32 @@ def _gae_block(rewards, values, cu_seqlens, lams, gamma):
     deltas = torch.sub(rewards, values)
     deltas[:-1].add_(values[1:], alpha=gamma)
     deltas[ends] = rewards[ends] - values[ends]
-    coef = _per_token((gamma * lams).to(dtype), cu_seqlens)  # [K, N]
+    # Rows with gamma * lambda = 1 on every sequence (VAPO's critic: lambda_critic = gamma = 1)
+    # telescope to plain suffix sums of the deltas: one float64 cumsum, no scan.
+    plain = ((gamma * lams) == 1).all(dim=1)  # [K]
+    if bool(plain.all()):
+        return _suffix_sums(deltas, cu_seqlens).to(dtype).expand(lams.shape[0], -1).clone()
+    scanned = lams if not bool(plain.any()) else lams[~plain]
+    coef = _per_token((gamma * scanned).to(dtype), cu_seqlens)  # [K', N]
     coef[:, ends] = 0
-    return segmented_reverse_cumsum(deltas.expand(lams.shape[0], -1), coef)
+    out = segmented_reverse_cumsum(deltas.expand(scanned.shape[0], -1), coef)
+    if not bool(plain.any()):
+        return out
+    full = torch.empty(lams.shape[0], deltas.numel(), dtype=dtype, device=deltas.device)
+    full[~plain] = out
+    full[plain] = _suffix_sums(deltas, cu_seqlens).to(dtype)
+    return full
+
+
+def _suffix_sums(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """y_t = sum of x over t and the rest of its sequence, [N] float64: the prefix sum at the
+    sequence's last token minus the prefix sum before t, from one float64 cumsum (exact to
+    float64 rounding, where the float32 scan it replaces rounds at every token)."""
+    prefix = x.to(torch.float64).cumsum(0)
+    lengths = cu_seqlens.diff()
+    ends = torch.where(lengths > 0, cu_seqlens[1:] - 1, 0)  # empty sequences: no tokens anyway
+    at_end = _per_token(prefix[ends][None], cu_seqlens)[0]
+    return at_end.sub_(prefix).add_(x)
 
 
 def _per_token(per_seq: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

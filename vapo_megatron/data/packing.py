@@ -114,11 +114,21 @@ def _check(samples: Sequence[Sample]) -> list[str]:
     return names
 
 
+def _check_sample(sample: Sample, n_prompt: int, n_resp: int) -> None:
+    """ValueError for a sample without a prompt token or with a field of the wrong length."""
+    if n_prompt == 0:
+        raise ValueError("a sample needs at least one prompt token (the state before the response)")
+    for name, values in sample.fields.items():
+        if values.shape != (n_resp,):
+            raise ValueError(
+                f"field {name!r} must have one value per response token ({n_resp}), got {tuple(values.shape)}"
+            )
+
+
 def _aligned(sample: Sample) -> tuple[torch.Tensor, ...]:
     """tokens, labels, response mask and label-aligned fields of one sample (unpadded)."""
-    if len(sample.prompt) == 0:
-        raise ValueError("a sample needs at least one prompt token (the state before the response)")
     n_prompt, n_resp = len(sample.prompt), len(sample.response)
+    _check_sample(sample, n_prompt, n_resp)
     tokens = torch.cat(
         [
             torch.as_tensor(ids, dtype=torch.long, device=HOST)
@@ -132,10 +142,6 @@ def _aligned(sample: Sample) -> tuple[torch.Tensor, ...]:
     mask[n_prompt - 1 : n_prompt - 1 + n_resp] = True
     fields = {}
     for name, values in sample.fields.items():
-        if values.shape != (n_resp,):
-            raise ValueError(
-                f"field {name!r} must have one value per response token ({n_resp}), got {tuple(values.shape)}"
-            )
         full = torch.zeros(length, dtype=values.dtype, device=HOST)
         full[n_prompt - 1 : n_prompt - 1 + n_resp] = values
         fields[name] = full
@@ -161,26 +167,39 @@ def pack(
     ``trainer/shard_path.py``).
     """
     names = _check(samples)
-    aligned = [_aligned(s) for s in samples]
-    lengths = [a[0].numel() for a in aligned]
+    n_prompt = [len(s.prompt) for s in samples]
+    n_resp = [len(s.response) for s in samples]
+    for sample, p, r in zip(samples, n_prompt, n_resp, strict=True):
+        _check_sample(sample, p, r)
+    lengths = [p + r for p, r in zip(n_prompt, n_resp, strict=True)]
     unit = _cp_multiple(cp_size) * (pad_multiple if pad_each else 1)
     padded = [_round_up(n, unit) for n in lengths]
     total = _round_up(sum(padded), _cp_multiple(cp_size) * pad_multiple)
     padded[-1] += total - sum(padded)
 
-    def row(parts: list[torch.Tensor], dtype) -> torch.Tensor:
-        out = torch.zeros(total, dtype=dtype, device=HOST)
-        start = 0
-        for part, width in zip(parts, padded, strict=True):
-            out[start : start + part.numel()] = part
-            start += width
-        return out
-
-    tokens = row([a[0] for a in aligned], torch.long)
-    labels = row([a[1] for a in aligned], torch.long)
-    mask = row([a[2] for a in aligned], torch.bool)
-    positions = row([torch.arange(n, device=HOST) for n in lengths], torch.long)
-    fields = {n: row([a[3][n] for a in aligned], aligned[0][3][n].dtype) for n in names}
+    # Each sample's ids and fields are copied once, straight into the row (no per-sample
+    # intermediate rows): the step packs thousands of micro-batches on the host.
+    tokens = torch.zeros(total, dtype=torch.long, device=HOST)
+    mask = torch.zeros(total, dtype=torch.bool, device=HOST)
+    positions = torch.zeros(total, dtype=torch.long, device=HOST)
+    fields = {n: torch.zeros(total, dtype=samples[0].fields[n].dtype, device=HOST) for n in names}
+    counting = torch.arange(max(lengths), dtype=torch.long, device=HOST)
+    ends = []  # (first position after the sequence's last real token, end of its padding)
+    start = 0
+    for sample, p, r, width in zip(samples, n_prompt, n_resp, padded, strict=True):
+        tokens[start : start + p] = torch.as_tensor(sample.prompt)
+        tokens[start + p : start + p + r] = torch.as_tensor(sample.response)
+        positions[start : start + p + r] = counting[: p + r]
+        response = slice(start + p - 1, start + p - 1 + r)  # label-aligned
+        mask[response] = True
+        for name in names:
+            fields[name][response] = sample.fields[name]
+        ends.append((start + p + r - 1, start + width))
+        start += width
+    labels = torch.zeros(total, dtype=torch.long, device=HOST)
+    labels[:-1] = tokens[1:]
+    for last, end in ends:  # a sequence's last position predicts nothing; padding neither
+        labels[last:end] = 0
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=HOST)
     cu_padded = torch.tensor([0, *itertools.accumulate(padded)], dtype=torch.int32, device=HOST)
 

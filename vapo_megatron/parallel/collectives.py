@@ -89,8 +89,11 @@ def all_gather_varlen(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     lengths = [torch.empty_like(length) for _ in range(world)]
     dist.all_gather(lengths, length, group=group)
     sizes = [int(n) for n in lengths]
-    padded = x.new_zeros(max(sizes))
-    padded[: x.numel()] = x
+    if x.numel() == max(sizes):  # the longest piece goes as it is: no padded copy
+        padded = x.contiguous()
+    else:
+        padded = x.new_zeros(max(sizes))
+        padded[: x.numel()] = x
     pieces = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(pieces, padded, group=group)
     return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)])

@@ -40,12 +40,15 @@ class Ragged:
                 f"{int(offsets[-1]) if offsets.numel() else None}"
             )
         self.values, self.offsets = values, offsets
+        self._bounds: list[int] | None = None
 
     def __len__(self) -> int:
         return self.offsets.numel() - 1
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])]
+        if self._bounds is None:  # Python ints once: indexing a tensor per row costs more
+            self._bounds = self.offsets.tolist()
+        return self.values[self._bounds[i] : self._bounds[i + 1]]
 
     def lengths(self) -> torch.Tensor:
         """[R] int64 row lengths."""
@@ -199,12 +202,21 @@ def build_samples(
     indices: Sequence[int],
     offsets: torch.Tensor,
     fields: Callable[[int, slice], dict[str, torch.Tensor]] | None = None,
+    *,
+    flat_index: bool = True,
 ) -> list[Sample]:
-    """Samples ``indices`` with their flat_index field (and ``fields(i, flat_slice)``)."""
+    """Samples ``indices`` with their flat_index field (unless not ``flat_index``) and
+    ``fields(i, flat_slice)``."""
     out = []
+    bounds = offsets.tolist() if len(indices) > 1 else None
     for i in indices:
-        flat = slice(int(offsets[i]), int(offsets[i + 1]))
-        extra = {FLAT_INDEX: torch.arange(flat.start, flat.stop, dtype=torch.long, device=HOST)}
+        if bounds is None:
+            flat = slice(int(offsets[i]), int(offsets[i + 1]))
+        else:
+            flat = slice(bounds[i], bounds[i + 1])
+        extra = {}
+        if flat_index:
+            extra[FLAT_INDEX] = torch.arange(flat.start, flat.stop, dtype=torch.long, device=HOST)
         if fields is not None:
             extra.update(fields(i, flat))
         prompt, response = prompts[i], responses[i]

@@ -165,12 +165,15 @@ def generate_and_grade(
         max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed,
     ) if len(share) else []  # fmt: skip
     generated = time.perf_counter()
-    texts = [tokenizer.decode(o.response_token_ids, skip_special_tokens=True) for o in outputs]
+    texts = [
+        tokenizer.decode(_ids(o.response_token_ids), skip_special_tokens=True) for o in outputs
+    ]
     items = []
     for o, text in zip(outputs, texts, strict=True):
         record = prompts[share[o.prompt_index]].record
         items.append((record.data_source, text, record.answer))
     results, grading = score_responses(items, routing, timeout_s=grader_timeout_s)
+    graded = time.perf_counter()  # the copies below are bookkeeping, not grading
     meta: list[tuple] = []
     prompt_ids, response_ids, logprobs = array("i"), array("i"), array("f")
     for o, result in zip(outputs, results, strict=True):
@@ -183,9 +186,12 @@ def generate_and_grade(
         prompt_ids.extend(prompt)
         response_ids.extend(o.response_token_ids)
         logprobs.extend(o.logprobs)
+    # The engine's per-token Python lists are copied into the arrays above: free them before
+    # the gather, which holds every replica's tokens (the host's peak of the step).
+    del outputs, texts, items, results
     counts = torch.tensor(
-        [grading.num_errors, grading.num_timeouts, time.perf_counter() - generated,
-         generated - start], dtype=torch.float64, device=HOST,
+        [grading.num_errors, grading.num_timeouts, graded - generated, generated - start],
+        dtype=torch.float64, device=HOST,
     )  # fmt: skip
     # The ranks of a replica hold the same samples (vLLM TP in lockstep): its first rank alone
     # hands them, and its counts, to the gather; replicas are consecutive rank groups.
@@ -212,6 +218,11 @@ def generate_and_grade(
     )
     # Stable: the samples of a group keep their order.
     return gathered.select(torch.sort(gathered.group, stable=True).indices)
+
+
+def _ids(tokens) -> list[int]:
+    """Token ids as the list the tokenizer takes (the engine hands an ``array('i')``)."""
+    return tokens.tolist() if isinstance(tokens, array) else list(tokens)
 
 
 def _host_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from vapo_megatron.algorithms.advantages import gae_lambdas
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.group_advantages import group_normalized_advantages
-from vapo_megatron.algorithms.losses import explained_variance, explained_variance_stats
+from vapo_megatron.algorithms.losses import explained_variance
 from vapo_megatron.data.packing import MicroBatch, Sample
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
@@ -54,7 +54,7 @@ from vapo_megatron.trainer.batching import (
 from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
 
 GAE_PATHS = ("auto", "shards", "flat")
-STAT_BLOCK = 1 << 22
+STAT_BLOCK = 1 << 20
 """Tokens per block of the float64 statistics."""
 SCORING_CHUNK = 16
 """Micro-batches packed and scored at a time on the shard path (without a pipeline): the
@@ -213,6 +213,8 @@ def run_shard_path(
     lengths = offsets.diff()
     ids = share.ids.tolist()
 
+    cp = lead.layout.cp
+
     def local_index(i: int, flat: slice) -> dict[str, torch.Tensor]:
         start = share.start[i]
         return {
@@ -221,8 +223,13 @@ def run_shard_path(
             )
         }
 
-    samples = build_samples(inputs.prompts, inputs.responses, ids, offsets, local_index)
-    names = [FLAT_INDEX, LOCAL_INDEX]
+    # Without CP a micro-batch's response tokens, in order, are one contiguous span of the
+    # local buffers (its samples are consecutive samples of this rank): a slice, not an index.
+    samples = build_samples(
+        inputs.prompts, inputs.responses, ids, offsets, local_index if cp > 1 else None,
+        flat_index=cp > 1,
+    )  # fmt: skip
+    names = [FLAT_INDEX, LOCAL_INDEX] if cp > 1 else []
     arrays: dict[str, torch.Tensor] = {}
     outputs = []
     if policy is not None:
@@ -239,28 +246,39 @@ def run_shard_path(
     gae_algo = adv.monte_carlo_config() if monte_carlo else algo
     cp_group = None if critic is None else critic.groups.parallel.cp
 
+    def where(mb: MicroBatch, mb_ids: list[int]) -> slice | torch.Tensor:
+        """This rank's positions of ``mb``'s response tokens in the local buffers."""
+        if cp > 1:
+            return mb.fields[LOCAL_INDEX].reshape(-1)[mb.response_mask.reshape(-1)]
+        if not mb_ids:
+            return slice(0, 0)
+        last = mb_ids[-1]
+        return slice(share.start[mb_ids[0]], share.start[last] + int(lengths[last]))
+
     for chunk, chunk_ids in _chunks(samples, ids, lead, token_budget, names):
+        spans, first = [], 0
+        for mb in chunk:
+            spans.append(where(mb, chunk_ids[first : first + mb.num_seqs]))
+            first += mb.num_seqs
         for name, engine, fn, key in outputs:
             results = engine.run(chunk, fn, forward_only=True)
             if not results:  # not the last pipeline stage: no outputs, no loss here
                 continue
             values = [r[key] for r in results]
-            for mb, value in zip(chunk, values, strict=True):
+            for mb, value, span in zip(chunk, values, spans, strict=True):
                 mask = mb.response_mask.reshape(-1)
-                where = mb.fields[LOCAL_INDEX].reshape(-1)[mask]
-                arrays[name][where] = value.reshape(-1).to(HOST, torch.float32)[mask]
-                held[where] = True
-            if engine is critic and critic.layout.cp > 1:  # GAE on the CP shards
+                arrays[name][span] = value.reshape(-1).to(HOST, torch.float32)[mask]
+                held[span] = True
+            if engine is critic and cp > 1:  # GAE on the CP shards
                 advantages, returns, _ = adv.gae_on_cp_shards(
                     gae_algo, chunk, values, torch.tensor(chunk_ids, dtype=torch.long, device=HOST),
                     inputs.rewards, offsets, cp_group,
                 )  # fmt: skip
-                for mb, a, r in zip(chunk, advantages, returns, strict=True):
+                for mb, a, r, span in zip(chunk, advantages, returns, spans, strict=True):
                     mask = mb.response_mask.reshape(-1)
-                    where = mb.fields[LOCAL_INDEX].reshape(-1)[mask]
-                    arrays["returns"][where] = r.to(HOST)[mask]
+                    arrays["returns"][span] = r.to(HOST)[mask]
                     if "advantages" in arrays:
-                        arrays["advantages"][where] = a.to(HOST)[mask]
+                        arrays["advantages"][span] = a.to(HOST)[mask]
     if critic is not None and critic.layout.cp == 1 and critic.is_last_stage:
         # Whole sequences on this rank: one packed scan over its samples' response tokens.
         local_offsets = torch.nn.functional.pad(lengths[share.ids].cumsum(0), (1, 0))
@@ -284,9 +302,10 @@ def run_shard_path(
 
     # Each token counts once: on its CP rank, at the last stage's first TP rank.
     counting = held if lead.is_last_stage and lead.tp_rank == 0 else torch.zeros_like(held)
-    sums = TokenSums(counting, host_group)
+    num_counted = int(counting.sum())
+    sums = TokenSums(None if num_counted == counting.numel() else counting, host_group)
     total = int(offsets[-1])
-    covered = int(sums.total([counting.sum(dtype=torch.float64)])[0])
+    covered = int(sums.total([torch.tensor(num_counted, dtype=torch.float64)])[0])
     if covered != total:
         raise RuntimeError(
             f"the shard path's scoring covered {covered} of {total} response tokens (layout "
@@ -294,8 +313,8 @@ def run_shard_path(
         )
     metrics: dict[str, float] = {}
     if policy is not None and inputs.rollout_logprobs is not None:
-        rollout = inputs.rollout_logprobs[gather_index(offsets, share.ids)][counting]
-        gap = (torch.exp(rollout - arrays["old_logprobs"][counting]) - 1).abs()
+        rollout = sums.pick(inputs.rollout_logprobs[gather_index(offsets, share.ids)])
+        gap = (torch.exp(rollout - sums.pick(arrays["old_logprobs"])) - 1).abs()
         (gap_sum,) = sums.total([gap.sum(dtype=torch.float64)])
         metrics["rollout/logprob_gap"] = gap_sum.item() / total
     if critic is not None and not monte_carlo:
@@ -378,16 +397,18 @@ def lambda_metrics(lam_policy: torch.Tensor) -> dict[str, float]:
 def critic_metrics(
     sums: TokenSums, returns: torch.Tensor, values: torch.Tensor, total: int
 ) -> dict[str, float]:
-    """Explained variance and the means of values and returns over the step's tokens (float64,
-    in blocks: no float64 copy of the whole buffer)."""
+    """Explained variance and the means of values and returns over the step's tokens: the
+    sums of ``explained_variance_stats`` in float64, in blocks (no float64 copy of the whole
+    buffer)."""
     r, v = sums.pick(returns), sums.pick(values)
-    stats = sum(
-        (
-            explained_variance_stats(rb, vb, torch.ones_like(rb, dtype=torch.bool))
-            for rb, vb in zip(r.split(STAT_BLOCK), v.split(STAT_BLOCK), strict=True)
-        ),
-        torch.zeros(5, dtype=torch.float64, device=HOST),
-    )
+    stats = torch.zeros(5, dtype=torch.float64, device=HOST)
+    for rb, vb in zip(r.split(STAT_BLOCK), v.split(STAT_BLOCK), strict=True):
+        r64 = rb.double()
+        e64 = r64 - vb.double()  # R - V without float32 rounding
+        stats += torch.stack(
+            [torch.tensor(float(rb.numel()), dtype=torch.float64, device=HOST), r64.sum(),
+             r64.dot(r64), e64.sum(), e64.dot(e64)]
+        )  # fmt: skip
     totals = sums.total([*stats, v.sum(dtype=torch.float64), r.sum(dtype=torch.float64)])
     return {
         "critic/explained_variance": explained_variance(totals[:5]).item(),

@@ -19,7 +19,7 @@ from vapo_megatron.data.packing import Sample
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
 from vapo_megatron.trainer import advantage_phase as adv
-from vapo_megatron.trainer.batching import FLAT_INDEX, build_samples, dp_share
+from vapo_megatron.trainer.batching import build_samples, dp_share
 from vapo_megatron.trainer.loss_fns import (
     logprob_scoring_fn,
     policy_loss_fn,
@@ -336,13 +336,15 @@ def run_step(
             chosen = part.tolist()
             if uses_critic:
                 ids = mine(session.critic, chosen)
-                samples = build_samples(prompts, responses, ids, offsets, critic_fields)
+                samples = build_samples(
+                    prompts, responses, ids, offsets, critic_fields, flat_index=False
+                )
                 critic_parts.append(
                     train_on_share(
                         session.critic,
                         samples,
                         critic_loss,
-                        field_names=[FLAT_INDEX, "returns", "old_values"],
+                        field_names=["returns", "old_values"],
                         token_budget=budget,
                     )  # fmt: skip
                 )
@@ -353,14 +355,15 @@ def run_step(
             if not chosen:  # every sample overlong-filtered: no update (the same on all ranks)
                 continue
             ids = mine(session.policy, chosen)
-            samples: list[Sample] = build_samples(prompts, responses, ids, offsets, policy_fields)
+            samples: list[Sample] = build_samples(
+                prompts, responses, ids, offsets, policy_fields, flat_index=False
+            )
             policy_parts.append(
                 train_on_share(
                     session.policy,
                     samples,
                     policy_loss,
                     field_names=[
-                        FLAT_INDEX,
                         "old_logprobs",
                         "advantages",
                         "positive",

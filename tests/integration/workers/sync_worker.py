@@ -109,8 +109,8 @@ def greedy(rollout: RolloutEngine):
     samples = rollout.generate(
         replica_prompts(rollout.replica), n=1, temperature=0.0, max_new_tokens=NEW_TOKENS
     )
-    tokens = unrotate([s.response_token_ids for s in samples], rollout.replica)
-    logprobs = unrotate([s.logprobs for s in samples], rollout.replica)
+    tokens = unrotate([s.response_token_ids.tolist() for s in samples], rollout.replica)
+    logprobs = unrotate([s.logprobs.tolist() for s in samples], rollout.replica)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (rollout.replica, tokens, logprobs))
     for replica, other_tokens, other_logprobs in everyone:
