@@ -179,25 +179,18 @@ def cli_workload(args: argparse.Namespace) -> dict[str, object]:
             "critic_recompute": recompute, "offload": args.offload}  # fmt: skip
 
 
+RECIPE_FIELDS = ("bf16", "distributed_optimizer", "critic_distributed_optimizer", "uses_critic",
+                 "policy_recompute", "critic_recompute", "grad_reduce_in_fp32", "rollout_tp",
+                 "gpu_memory_utilization", "offload", "enforce_eager", "samples_per_step")  # fmt: skip
+
+
 def recipe_workload(config) -> dict[str, object]:
-    """What the recipe configures and the trainer does with it (not planning-only options)."""
-    bf16 = config.model.dtype == "bfloat16"
-    grad_fp32 = config.gpu.grad_reduce_in_fp32
-    as_tuple = lambda r: (r.granularity, r.method, r.num_layers)  # noqa: E731
-    return {
-        "bf16": bf16,
-        "distributed_optimizer": config.policy.optim.distributed_optimizer,
-        "critic_distributed_optimizer": config.critic.optim.distributed_optimizer,
-        "uses_critic": config.algorithm.uses_critic,
-        "policy_recompute": as_tuple(config.policy.recompute),
-        "critic_recompute": as_tuple(config.critic.recompute),
-        "grad_reduce_in_fp32": bf16 if grad_fp32 == "auto" else bool(grad_fp32),
-        "rollout_tp": config.rollout.tensor_parallel_size,
-        "gpu_memory_utilization": config.rollout.gpu_memory_utilization,
-        "offload": "rollout" if config.rollout.offload_training_state else "none",
-        "enforce_eager": config.rollout.enforce_eager,
-        "samples_per_step": config.algorithm.prompts_per_step * config.algorithm.samples_per_prompt,
-    }
+    """What the recipe configures and the trainer does with it (not planning-only options),
+    read as the dry run reads it (``trainer/dry_run.py::planner_workload``)."""
+    from vapo_megatron.trainer.dry_run import planner_workload
+
+    work = planner_workload(config, world_size=1)
+    return {name: getattr(work, name) for name in RECIPE_FIELDS}
 
 
 def recipe_changes(result: mp.Plan) -> dict[str, object]:
