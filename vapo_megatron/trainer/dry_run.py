@@ -459,10 +459,10 @@ def dry_run(
 
 ROWS = (
     ("params", "params (model tensors)"),
-    ("param_buffer", "param buffer (dist. optimizer)"),
+    ("param_buffer", "  their DDP buffer (dist. opt.)"),
     ("grads", "grad buffer (DDP, padded)"),
     ("optimizer", "optimizer (main copy + Adam)"),
-    ("checkpoint", "checkpoint tensors written"),
+    ("checkpoint", "checkpoint written (even split)"),
 )
 """Byte figures of the table: key in ``ModelFigures.built`` / ``planned``, label."""
 
@@ -567,7 +567,7 @@ def run(config: TrainConfig, *, model: str | None, world_size: int, ranks: Seque
         logging.getLogger(logger).setLevel(logging.WARNING)
     started = time.perf_counter()
     reports = dry_run(config, hf, world_size=world_size, ranks=ranks)
-    print(f"dry run of {config.model.path} ({name}) at world size {world_size}: the trainer's "
+    print(f"dry run of {name} at world size {world_size}: the trainer's "
           f"groups, models, DDP and optimizer built on meta under the fake backend")  # fmt: skip
     for report in reports:
         print(format_report(report))
