@@ -73,7 +73,7 @@ class ModelFigures:
     role: str
     """policy or critic."""
     layout: dict[str, int]
-    """tp, pp, cp, dp sizes."""
+    """tp, pp, cp, dp sizes (and vpp when set)."""
     coords: dict[str, int]
     """This rank's tp, pp, cp, dp rank."""
     groups: dict[str, list[int]]
@@ -418,6 +418,7 @@ def dry_run(
                             "pp": groups.pp_size,
                             "cp": groups.cp_size,
                             "dp": groups.dp_size,
+                            **({"vpp": engine.layout.vpp} if engine.layout.vpp else {}),
                         },
                         coords={
                             "tp": groups.tp_rank,
@@ -476,7 +477,9 @@ def format_report(report: RankReport) -> str:
     for m in report.models:
         lay, at = m.layout, m.coords
         lines.append(
-            f"-- {m.role}: tp{lay['tp']} pp{lay['pp']} cp{lay['cp']} dp{lay['dp']}; this rank "
+            f"-- {m.role}: tp{lay['tp']} pp{lay['pp']}"
+            + (f" vpp{lay['vpp']}" if "vpp" in lay else "")
+            + f" cp{lay['cp']} dp{lay['dp']}; this rank "
             f"tp {at['tp']} pp {at['pp']} cp {at['cp']} dp {at['dp']}"
         )
         for name, ranks in m.groups.items():
