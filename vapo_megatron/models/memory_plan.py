@@ -8,7 +8,11 @@ The model behind ``tools/plan.py``. Every figure is labelled in its output as on
   their byte sizes: bf16 params 2 B; grads 4 B with ``grad_reduce_in_fp32`` (the recipe's
   ``gpu.grad_reduce_in_fp32``; auto = on for bf16), else 2 B; Adam 12 B (fp32 main copy + two
   moments) divided by the DP x CP ranks under the distributed optimizer. fp32 training: 4 + 4
-  + 8 B, nothing divided.
+  + 8 B. The dry run (``trainer/dry_run.py``) reads the same figures from the objects megatron
+  builds at the real layout: equal, except that the distributed optimizer pads each DDP bucket
+  to a multiple of lcm(DP x CP, 128) elements and shards along bucket boundaries (zero
+  difference at the recipes' DP x CP = 16; +1.5 KB of grads and a few KB of optimizer per rank
+  at DP x CP = 12). Checkpoint bytes per rank: :func:`checkpoint_bytes`.
 - **measured** (on CPU, ``tests/unit/test_logprobs_chunked.py``): the log-prob / entropy
   work on the policy's logits. ``models/logprobs.py`` keeps the bf16 logits for backward and
   writes a bf16 gradient of the same size (4 B per logit element over a micro-batch's tokens x
