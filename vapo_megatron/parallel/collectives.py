@@ -77,7 +77,10 @@ def all_reduce(
 def all_gather_varlen(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's 1-D ``x`` [n_r] in rank order -> [sum n_r] on every rank.
 
-    Two collectives: the lengths, then the data padded to the longest piece, on ``x``'s device.
+    The lengths go first (one small all-gather), then each rank's piece is broadcast straight
+    into its place in the result, on ``x``'s device: no padded copies and no per-rank pieces
+    to concatenate, so the only memory beyond ``x`` is the result itself (a step's trajectories
+    are gigabytes at 32B). Ranks with nothing to send cost no broadcast.
     """
     if x.dim() != 1:
         raise ValueError(f"all_gather_varlen takes 1-D tensors, got shape {tuple(x.shape)}")
@@ -89,14 +92,19 @@ def all_gather_varlen(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     lengths = [torch.empty_like(length) for _ in range(world)]
     dist.all_gather(lengths, length, group=group)
     sizes = [int(n) for n in lengths]
-    if x.numel() == max(sizes):  # the longest piece goes as it is: no padded copy
-        padded = x.contiguous()
-    else:
-        padded = x.new_zeros(max(sizes))
-        padded[: x.numel()] = x
-    pieces = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(pieces, padded, group=group)
-    return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)])
+    me = dist.get_rank(group)
+    out = x.new_empty(sum(sizes))
+    start = 0
+    for rank, size in enumerate(sizes):
+        piece = out[start : start + size]
+        start += size
+        if not size:
+            continue
+        if rank == me:
+            piece.copy_(x)
+        src = rank if group is None else dist.get_global_rank(group, rank)
+        dist.broadcast(piece, src=src, group=group)
+    return out
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:

@@ -238,7 +238,7 @@ def run_shard_path(
         outputs.append(("old_values", critic, value_fn, "values"))
     for name, *_ in outputs:
         arrays[name] = torch.zeros(share.num_tokens, dtype=torch.float32, device=HOST)
-    if critic is not None:
+    if critic is not None and cp > 1:  # filled shard by shard (without CP: by one scan below)
         arrays["returns"] = torch.zeros(share.num_tokens, dtype=torch.float32, device=HOST)
         if not monte_carlo:
             arrays["advantages"] = torch.zeros(share.num_tokens, dtype=torch.float32, device=HOST)
@@ -279,7 +279,10 @@ def run_shard_path(
                     arrays["returns"][span] = r.to(HOST)[mask]
                     if "advantages" in arrays:
                         arrays["advantages"][span] = a.to(HOST)[mask]
-    if critic is not None and critic.layout.cp == 1 and critic.is_last_stage:
+    if critic is not None and cp == 1 and not critic.is_last_stage:
+        for name in ("returns", "advantages")[: 1 if monte_carlo else 2]:  # read by no loss here
+            arrays[name] = torch.zeros(share.num_tokens, dtype=torch.float32, device=HOST)
+    if critic is not None and cp == 1 and critic.is_last_stage:
         # Whole sequences on this rank: one packed scan over its samples' response tokens.
         local_offsets = torch.nn.functional.pad(lengths[share.ids].cumsum(0), (1, 0))
         rewards = inputs.rewards[share.ids]
@@ -313,9 +316,10 @@ def run_shard_path(
         )
     metrics: dict[str, float] = {}
     if policy is not None and inputs.rollout_logprobs is not None:
-        rollout = sums.pick(inputs.rollout_logprobs[gather_index(offsets, share.ids)])
-        gap = (torch.exp(rollout - sums.pick(arrays["old_logprobs"])) - 1).abs()
-        (gap_sum,) = sums.total([gap.sum(dtype=torch.float64)])
+        gap = _logprob_gap_sum(
+            inputs.rollout_logprobs, arrays["old_logprobs"], share, offsets, sums
+        )
+        (gap_sum,) = sums.total([gap])
         metrics["rollout/logprob_gap"] = gap_sum.item() / total
     if critic is not None and not monte_carlo:
         lam_policy, _ = gae_lambdas(algo, lengths)
@@ -352,6 +356,32 @@ def _chunks(
         count = sum(len(g) for g in groups)
         yield [plan.pack(g, engine.cp_rank) for g in groups], ids[done : done + count]
         done += count
+
+
+def _logprob_gap_sum(
+    rollout: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    share: StepShare,
+    offsets: torch.Tensor,
+    sums: TokenSums,
+) -> torch.Tensor:
+    """float64 sum of |exp(rollout - old) - 1| over this rank's counted tokens, in blocks of
+    about ``STAT_BLOCK`` tokens (the rollout log-probs come from the step's flat buffer)."""
+    total = torch.zeros((), dtype=torch.float64, device=HOST)
+    ids = share.ids
+    lengths = offsets.diff()[ids]
+    bounds = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    cuts = torch.searchsorted(bounds, torch.arange(0, share.num_tokens, STAT_BLOCK)).tolist()
+    edges = sorted({*cuts, ids.numel()})
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        span = slice(int(bounds[lo]), int(bounds[hi]))
+        engine = rollout[gather_index(offsets, ids[lo:hi])]
+        trainer = old_logprobs[span]
+        gap = (torch.exp(engine - trainer) - 1).abs()
+        if sums.counting is not None:
+            gap = gap[sums.counting[span]]
+        total += gap.sum(dtype=torch.float64)
+    return total
 
 
 class TokenSums:
