@@ -308,7 +308,7 @@ def run_shard_path(
     num_counted = int(counting.sum())
     sums = TokenSums(None if num_counted == counting.numel() else counting, host_group)
     total = int(offsets[-1])
-    covered = int(sums.total([torch.tensor(num_counted, dtype=torch.float64)])[0])
+    covered = int(sums.total([torch.tensor(num_counted, dtype=torch.float64, device=HOST)])[0])
     if covered != total:
         raise RuntimeError(
             f"the shard path's scoring covered {covered} of {total} response tokens (layout "
@@ -371,7 +371,8 @@ def _logprob_gap_sum(
     ids = share.ids
     lengths = offsets.diff()[ids]
     bounds = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-    cuts = torch.searchsorted(bounds, torch.arange(0, share.num_tokens, STAT_BLOCK)).tolist()
+    starts = torch.arange(0, share.num_tokens, STAT_BLOCK, device=HOST)
+    cuts = torch.searchsorted(bounds, starts).tolist()
     edges = sorted({*cuts, ids.numel()})
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
         span = slice(int(bounds[lo]), int(bounds[hi]))
@@ -405,7 +406,10 @@ class TokenSums:
         """Mean and unbiased std of ``x`` over the counted tokens (two passes, float64)."""
         picked = self.pick(x)
         n, s = self.total(
-            [torch.tensor(picked.numel(), dtype=torch.float64), picked.sum(dtype=torch.float64)]
+            [
+                torch.tensor(picked.numel(), dtype=torch.float64, device=HOST),
+                picked.sum(dtype=torch.float64),
+            ]
         )
         count = int(n)
         if count == 0:
