@@ -77,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_recipe(args.recipe, args.overrides)
         if args.dry_run:
-            from vapo_megatron.trainer import dry_run
+            from vapo_megatron.trainer import dry_run_report
 
             world = args.world_size or config.trainer.local_world_size
+            if not all(r.strip().isdigit() for r in args.ranks.split(",")):
+                raise ValueError(f"--ranks {args.ranks!r}: give rank numbers, e.g. 0,17,127")
             ranks = [int(r) for r in args.ranks.split(",")]
-            dry_run.run(config, model=args.model, world_size=world, ranks=ranks)
+            dry_run_report.run(config, model=args.model, world_size=world, ranks=ranks)
             return 0
         if not under_launcher():  # every rank, even a single one, gets the launcher environment
             logs = Path(config.trainer.run_dir) / "logs"

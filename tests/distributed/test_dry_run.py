@@ -90,6 +90,9 @@ def test_32b_recipe_at_world_128_builds_and_agrees_with_the_planner() -> None:
             for key in ("params", "grads", "optimizer"):  # DP x CP = 16 divides every bucket
                 assert built[key] == planned[key], (role, key)
             assert abs(built["checkpoint"] - planned["checkpoint"]) < 0.01 * planned["checkpoint"]
+            shares = model["checkpoint"]  # megatron's plan: this rank's part of its group's
+            assert shares["weights_bytes"] + shares["optimizer_bytes"] == built["checkpoint"]
+            assert 0 < shares["weights_tensors"] < shares["group_tensors"] / 16
             assert model["data"]["samples"] == 512 * 16 // 8
     assert first["policy"]["groups"]["tp"] == list(range(8))
     assert first["policy"]["groups"]["cp"] == [0, 8]

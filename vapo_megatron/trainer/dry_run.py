@@ -27,7 +27,8 @@ allocated. The figures are then read from the built objects:
   (``batching.plan_micro_batches``).
 
 Beside each byte figure stands the planner's (``models/memory_plan.py``, what
-``tools/plan.py`` prints for the recipe) and the difference. What is not built is named in
+``tools/plan.py`` prints for the recipe) and the difference (printed by
+``trainer/dry_run_report.py``). What is not built is named in
 the report with the reason (``FALLBACKS``). Layouts that cannot work fail with the message the
 real run gives, from the same checks (``TrainConfig.check``, ``build_model_groups``,
 ``ModelLayout.check``).
@@ -35,7 +36,6 @@ real run gives, from the same checks (``TrainConfig.check``, ``build_model_group
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -86,6 +86,10 @@ class ModelFigures:
     """The planner's bytes for this rank's pipeline stage: params, grads, optimizer."""
     planned_param_count: int
     """``memory_plan.shard_param_count`` of this rank's stage."""
+    checkpoint: dict[str, int]
+    """What this rank writes of a training checkpoint: weights_bytes, weights_tensors,
+    optimizer_bytes, optimizer_tensors; group_tensors: shards held in its DP x CP group
+    (replicas counted on each holder), among which megatron picked these."""
     data: dict[str, int]
     """This DP rank's share of the synthetic step: samples, tokens, micro-batches."""
 
@@ -217,8 +221,8 @@ def _shards(sharded: dict) -> list:
     return [v.without_data() for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
 
 
-def _written_bytes(sharded: dict, group: dist.ProcessGroup, peer_shards: list[list]) -> int:
-    """Tensor bytes this rank writes of ``sharded`` under the trainer's fully parallel save
+def _written(sharded: dict, group: dist.ProcessGroup, peer_shards: list[list]) -> list:
+    """The tensors this rank writes of ``sharded`` under the trainer's fully parallel save
     over ``group``: megatron's distribution, its metadata exchange answered with
     ``peer_shards`` (each group rank's shard list, in group-rank order)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -240,11 +244,15 @@ def _written_bytes(sharded: dict, group: dist.ProcessGroup, peer_shards: list[li
     finally:
         dist.all_gather_object = gather
     distribute_main_replicas_with_precomputed_distribution(sharded, group, plan)
-    return sum(
-        math.prod(v.local_shape) * v.dtype.itemsize
+    return [
+        v
         for v in nested_values(sharded)
         if isinstance(v, ShardedTensor) and is_main_replica(v.replica_id)
-    )
+    ]
+
+
+def _nbytes(shards: Sequence) -> int:
+    return sum(math.prod(v.local_shape) * v.dtype.itemsize for v in shards)
 
 
 def _dp_cp_peers(config: TrainConfig, role: str, rank: int, world_size: int) -> list[int]:
@@ -261,7 +269,7 @@ def _ranks(group: dist.ProcessGroup | None) -> list[int]:
     return [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
 
 
-def _engine_bytes(engine) -> dict[str, int]:
+def engine_bytes(engine) -> dict[str, int]:
     """params, param_buffer, grads, optimizer: bytes of the engine's built tensors."""
     from vapo_megatron.trainer.checkpointing import _sub_optimizers
 
@@ -397,16 +405,21 @@ def dry_run(
             )  # fmt: skip
             for role in roles:
                 engine, groups = built.engines[role], built.groups[role]
-                figures = _engine_bytes(engine)
+                figures = engine_bytes(engine)
                 model_sd, optimizer_sd = _checkpoint_shards(engine)
-                figures["optimizer"] = _engine_bytes(engine)["optimizer"]  # moments now built
+                figures["optimizer"] = engine_bytes(engine)["optimizer"]  # moments now built
                 mine = (_shards(model_sd), _shards(optimizer_sd))
                 peer_cache[role, rank] = mine
                 dp_cp = groups.pg_collection.dp_cp
                 lists = [peer_cache[role, p] for p in peers[role]]
-                figures["checkpoint"] = _written_bytes(
-                    model_sd, dp_cp, [m for m, _ in lists]
-                ) + _written_bytes(optimizer_sd, dp_cp, [o for _, o in lists])
+                weights = _written(model_sd, dp_cp, [m for m, _ in lists])
+                optimizer = _written(optimizer_sd, dp_cp, [o for _, o in lists])
+                figures["checkpoint"] = _nbytes(weights) + _nbytes(optimizer)
+                checkpoint = {
+                    "weights_bytes": _nbytes(weights), "weights_tensors": len(weights),
+                    "optimizer_bytes": _nbytes(optimizer), "optimizer_tensors": len(optimizer),
+                    "group_tensors": sum(len(m) + len(o) for m, o in lists),
+                }  # fmt: skip
                 head = "lm" if role == "policy" else "value"
                 stage = mp.stage_state(hf, engine.layout, work, head=head, pp_rank=groups.pp_rank)
                 pg = groups.parallel
@@ -451,133 +464,9 @@ def dry_run(
                         planned_param_count=mp.shard_param_count(
                             hf, engine.layout, head=head, pp_rank=groups.pp_rank
                         ),
+                        checkpoint=checkpoint,
                         data=_data_share(config, engine, counts),
                     )  # fmt: skip
                 )
             reports.append(report)
     return reports
-
-
-ROWS = (
-    ("params", "params (model tensors)"),
-    ("param_buffer", "  their DDP buffer (dist. opt.)"),
-    ("grads", "grad buffer (DDP, padded)"),
-    ("optimizer", "optimizer (main copy + Adam)"),
-    ("checkpoint", "checkpoint written (even split)"),
-)
-"""Byte figures of the table: key in ``ModelFigures.built`` / ``planned``, label."""
-
-
-def format_report(report: RankReport) -> str:
-    """One rank's table: groups, then bytes built beside the planner's, then its data share."""
-    lines = [
-        f"== rank {report.rank} of {report.world_size}: vLLM replica {report.replica} (ranks "
-        f"{_span(report.replica_ranks)}, {report.replica_prompts} prompts of the step)"
-    ]
-    for m in report.models:
-        lay, at = m.layout, m.coords
-        lines.append(
-            f"-- {m.role}: tp{lay['tp']} pp{lay['pp']}"
-            + (f" vpp{lay['vpp']}" if "vpp" in lay else "")
-            + f" cp{lay['cp']} dp{lay['dp']}; this rank "
-            f"tp {at['tp']} pp {at['pp']} cp {at['cp']} dp {at['dp']}"
-        )
-        for name, ranks in m.groups.items():
-            lines.append(f"   {name + ' group':14}{_span(ranks)}")
-        diff = m.param_count - m.planned_param_count
-        note = "equal" if diff == 0 else f"planner {m.planned_param_count:,}, diff {diff:+,}"
-        lines.append(f"   parameters    {m.param_count:,} ({note})")
-        lines.append(f"   {'':32}{'built GiB':>10}{'planner GiB':>12}{'diff bytes':>16}")
-        for key, label in ROWS:
-            built, planned = m.built[key], m.planned.get(key)
-            cells = f"{built / mp.GIB:10.3f}"
-            if planned is not None:
-                cells += f"{planned / mp.GIB:12.3f}{built - planned:>+16,}"
-            lines.append(f"   {label:32}{cells}")
-        d = m.data
-        lines.append(
-            f"   step share    {d['samples']} samples, {d['tokens']:,} tokens, "
-            f"{d['micro_batches']} micro-batches (synthetic step)"
-        )
-    return "\n".join(lines)
-
-
-def _span(ranks: Sequence[int]) -> str:
-    """[0, 8, ..., 120] (16) for long lists."""
-    ranks = list(ranks)
-    if len(ranks) <= 8:
-        return str(ranks)
-    return f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)})"
-
-
-def summary(reports: Sequence[RankReport]) -> dict[str, Any]:
-    """The JSON the dry run prints last."""
-    return {
-        "dry_run": True,
-        "world_size": reports[0].world_size if reports else None,
-        "ranks": [
-            {
-                "rank": r.rank,
-                "vllm_replica": r.replica,
-                "vllm_replica_ranks": r.replica_ranks,
-                **{
-                    m.role: {
-                        "layout": m.layout,
-                        "coords": m.coords,
-                        "groups": m.groups,
-                        "param_count": m.param_count,
-                        "planned_param_count": m.planned_param_count,
-                        "built_bytes": m.built,
-                        "planned_bytes": m.planned,
-                        "data": m.data,
-                    }  # fmt: skip
-                    for m in r.models
-                },
-            }
-            for r in reports
-        ],
-        "not_built": list(FALLBACKS),
-    }
-
-
-def read_model_config(spec: str | None, model_path: str) -> tuple[str, HFModelConfig]:
-    """The model to build: a planner preset (``memory_plan.MODEL_PRESETS``), an HF
-    config.json or its directory; None: the recipe's model.path."""
-    import json
-    from pathlib import Path
-
-    spec = model_path if spec is None else spec
-    if spec in mp.MODEL_PRESETS:
-        return spec, HFModelConfig.from_hf(mp.MODEL_PRESETS[spec])
-    path = Path(spec)
-    path = path / "config.json" if path.is_dir() else path
-    if not path.is_file():
-        raise ValueError(
-            f"model {spec!r} is neither a preset ({', '.join(sorted(mp.MODEL_PRESETS))}) nor an "
-            "HF config.json; pass --model PRESET when the checkpoint is not on this machine"
-        )
-    return str(path), HFModelConfig.from_hf(json.loads(path.read_text()))
-
-
-def run(config: TrainConfig, *, model: str | None, world_size: int, ranks: Sequence[int]) -> None:
-    """``vapo-train RECIPE --dry-run``: print each rank's table, then the JSON summary."""
-    import json
-    import time
-
-    name, hf = read_model_config(model, config.model.path)
-    # Megatron's per-bucket parameter lists and our GPU-settings line, once per rank built.
-    for logger in ("megatron", "vapo_megatron"):
-        logging.getLogger(logger).setLevel(logging.WARNING)
-    started = time.perf_counter()
-    reports = dry_run(config, hf, world_size=world_size, ranks=ranks)
-    print(f"dry run of {name} at world size {world_size}: the trainer's "
-          f"groups, models, DDP and optimizer built on meta under the fake backend")  # fmt: skip
-    for report in reports:
-        print(format_report(report))
-    print("not built (the planner's figure stands):")
-    for line in FALLBACKS:
-        print(f"  - {line}")
-    out = summary(reports)
-    out["seconds"] = round(time.perf_counter() - started, 1)
-    print(f"{len(reports)} rank(s) in {out['seconds']} s")
-    print(json.dumps(out))

@@ -3,7 +3,7 @@
 Each rank loads the recipe, starts the trainer's process group and host group
 (``session.init_distributed``, ``make_host_group``), builds the groups and engines with the
 trainer's own functions (``session.build_groups``, ``session.build_engine``), reads the same
-figures the dry run reads (``dry_run._engine_bytes`` after ``dry_run.make_adam_state``), saves one
+figures the dry run reads (``dry_run.engine_bytes`` after ``dry_run.make_adam_state``), saves one
 training checkpoint with the trainer's checkpointer and prints one JSON line:
 ``DRYRUN-REAL {"rank": r, "policy": {...}, "critic": {...}, "written": {file: bytes}}``.
 
@@ -45,7 +45,7 @@ def main() -> None:
             "groups": {name: dist.get_process_group_ranks(getattr(pg, name))
                        for name in ("tp", "pp", "cp", "dp", "dp_cp")},
             "param_count": sum(p.numel() for c in engine.chunks for p in c.parameters()),
-            "built_bytes": dry_run._engine_bytes(engine),
+            "built_bytes": dry_run.engine_bytes(engine),
         }  # fmt: skip
         states[role] = ckpt.TrainableState.from_engine(engine)
     ckpt.CheckpointSaver().save(Path(root), 1, states, {}, keep_last=0, group=host)
