@@ -223,3 +223,33 @@ def test_recipes_fit_with_headroom_and_vllm_at_0_6(recipe, model, nodes, capsys)
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+@pytest.mark.unit
+def test_checkpoint_bytes_per_rank_and_the_critics_own_optimizer() -> None:
+    """The per-rank checkpoint figure the dry run (trainer/dry_run.py) checks against megatron's
+    save plan: weights + fp32 main copy + two moments, split over DP x CP; norms replicated over
+    TP only from TP rank 0 (with the distributed optimizer, only their weights); fp32 with the
+    distributed optimizer saves its main copy too; the critic's optimizer setting is its own."""
+    model = hf("qwen2.5-32b")
+    work = paper_workload()
+    params = mp.shard_param_count(model, PAPER, head="lm", pp_rank=0)
+    norms = mp.tp_replicated_param_count(model, PAPER, head="lm", pp_rank=0)
+    assert norms == (2 * 64 + 1) * 5120
+    first = mp.checkpoint_bytes(model, PAPER, work, head="lm", pp_rank=0, tp_rank=0)
+    assert first == math.ceil(params * 14 / 16)
+    other = mp.checkpoint_bytes(model, PAPER, work, head="lm", pp_rank=0, tp_rank=1)
+    assert other == math.ceil((params * 14 - norms * 2) / 16)
+    fp32 = replace(work, bf16=False)
+    assert mp.checkpoint_bytes(model, PAPER, fp32, head="lm", pp_rank=0) == math.ceil(
+        params * 16 / 16
+    )
+    plain = replace(fp32, distributed_optimizer=False)
+    assert mp.checkpoint_bytes(model, PAPER, plain, head="lm", pp_rank=0) == math.ceil(
+        params * 12 / 16
+    )
+    critic_plain = replace(work, critic_distributed_optimizer=False)
+    critic = mp.stage_state(model, PAPER, critic_plain, head="value", pp_rank=0)
+    policy = mp.stage_state(model, PAPER, critic_plain, head="lm", pp_rank=0)
+    assert critic.optimizer == 12 * mp.shard_param_count(model, PAPER, head="value", pp_rank=0)
+    assert policy.optimizer == math.ceil(12 * params / 16)
