@@ -94,15 +94,13 @@ from vapo_megatron.parallel.groups import ParallelGroups
 _applied = False
 
 
-def apply_cpu_shim(*, force: bool = False) -> bool:
+def apply_cpu_shim() -> bool:
     """Make megatron-core run on CPU; return whether the shim is active.
 
-    Returns ``False`` and changes nothing when CUDA is available, unless ``force`` (the dry
-    run, ``trainer/dry_run.py``, which builds on ``meta`` and runs nothing on a device). Safe
-    to call repeatedly.
+    Returns ``False`` and changes nothing when CUDA is available. Safe to call repeatedly.
     """
     global _applied
-    if torch.cuda.is_available() and not force:
+    if torch.cuda.is_available():
         return False
     if not _applied:
         _patch_torch_cuda()

@@ -112,7 +112,8 @@ class RankReport:
 @contextmanager
 def stand_in_for(rank: int, world_size: int) -> Iterator[None]:
     """Within: this process is rank ``rank`` of ``world_size`` under torch.distributed's fake
-    backend (groups are real objects, collectives do nothing), with megatron's CPU shim."""
+    backend (groups are real objects, collectives do nothing), with megatron's CPU shim and
+    CUDA hidden."""
     # Importing it registers the "fake" backend (torch's own test helper, no public name yet).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -123,12 +124,17 @@ def stand_in_for(rank: int, world_size: int) -> Iterator[None]:
             "the dry run stands in for ranks in a process of its own: start it plainly "
             "(vapo-train RECIPE --dry-run), not under torchrun/srun"
         )
+    # As on a laptop whatever this machine has: the CPU shim, megatron's local layer spec
+    # (same parameters as Transformer Engine's, which may not build on meta), no kernels.
+    cuda_available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: False
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    apply_cpu_shim(force=True)
+    apply_cpu_shim()
     try:
         yield
     finally:
         dist.destroy_process_group()
+        torch.cuda.is_available = cuda_available
 
 
 @contextmanager
