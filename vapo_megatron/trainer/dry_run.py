@@ -51,6 +51,7 @@ from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.gpu_settings import FUSION_KERNELS, GpuSettings
 from vapo_megatron.parallel.devices import building_on
 from vapo_megatron.trainer.config import TrainConfig
+from vapo_megatron.trainer.rollout_phase import replica_share
 
 META = torch.device("meta")
 
@@ -401,78 +402,56 @@ def dry_run(
             built = _build(config, hf, roles)
             k = config.rollout.tensor_parallel_size
             replica = rank // k
-            from vapo_megatron.trainer.rollout_phase import replica_share
-
+            prompts = replica_share(config.algorithm.prompts_per_step, world_size // k, replica)
             report = RankReport(
                 rank=rank, world_size=world_size, replica=replica,
                 replica_ranks=list(range(replica * k, replica * k + k)),
-                replica_prompts=len(replica_share(
-                    config.algorithm.prompts_per_step, world_size // k, replica)),
+                replica_prompts=len(prompts),
             )  # fmt: skip
             for role in roles:
                 engine, groups = built.engines[role], built.groups[role]
-                figures = engine_bytes(engine)
-                model_sd, optimizer_sd = _checkpoint_shards(engine)
-                figures["optimizer"] = engine_bytes(engine)["optimizer"]  # moments now built
-                mine = (_shards(model_sd), _shards(optimizer_sd))
-                peer_cache[role, rank] = mine
-                dp_cp = groups.pg_collection.dp_cp
+                model_sd, optimizer_sd = _checkpoint_shards(engine)  # Adam's moments made
+                peer_cache[role, rank] = (_shards(model_sd), _shards(optimizer_sd))
                 lists = [peer_cache[role, p] for p in peers[role]]
+                dp_cp = groups.pg_collection.dp_cp
                 weights = _written(model_sd, dp_cp, [m for m, _ in lists])
                 optimizer = _written(optimizer_sd, dp_cp, [o for _, o in lists])
-                figures["checkpoint"] = _nbytes(weights) + _nbytes(optimizer)
                 checkpoint = {
                     "weights_bytes": _nbytes(weights), "weights_tensors": len(weights),
                     "optimizer_bytes": _nbytes(optimizer), "optimizer_tensors": len(optimizer),
                     "group_tensors": sum(len(m) + len(o) for m, o in lists),
                 }  # fmt: skip
-                head = "lm" if role == "policy" else "value"
-                stage = mp.stage_state(hf, engine.layout, work, head=head, pp_rank=groups.pp_rank)
-                pg = groups.parallel
-                report.models.append(
-                    ModelFigures(
-                        role=role,
-                        layout={
-                            "tp": groups.tp_size,
-                            "pp": groups.pp_size,
-                            "cp": groups.cp_size,
-                            "dp": groups.dp_size,
-                            **({"vpp": engine.layout.vpp} if engine.layout.vpp else {}),
-                        },
-                        coords={
-                            "tp": groups.tp_rank,
-                            "pp": groups.pp_rank,
-                            "cp": groups.cp_rank,
-                            "dp": groups.dp_rank,
-                        },
-                        groups={
-                            "tp": _ranks(pg.tp),
-                            "pp": _ranks(pg.pp),
-                            "cp": _ranks(pg.cp),
-                            "dp": _ranks(pg.dp),
-                            "dp_cp": _ranks(pg.dp_cp),
-                        },
-                        param_count=sum(p.numel() for c in engine.chunks for p in c.parameters()),
-                        built=figures,
-                        planned={
-                            "params": stage.params,
-                            "grads": stage.grads,
-                            "optimizer": stage.optimizer,
-                            "checkpoint": mp.checkpoint_bytes(
-                                hf,
-                                engine.layout,
-                                work,
-                                head=head,
-                                pp_rank=groups.pp_rank,
-                                tp_rank=groups.tp_rank,
-                            ),
-                        },
-                        planned_param_count=mp.shard_param_count(
-                            hf, engine.layout, head=head, pp_rank=groups.pp_rank
-                        ),
-                        checkpoint=checkpoint,
-                        data=_data_share(config, engine, counts),
-                    )  # fmt: skip
-                )
+                figures = _figures(role, engine, groups, checkpoint, hf=hf, work=work)
+                data = _data_share(config, engine, counts)
+                report.models.append(ModelFigures(**figures, data=data))
             reports.append(report)
     return reports
+
+
+def _figures(
+    role: str, engine, groups, checkpoint: dict[str, int], *, hf: HFModelConfig, work
+) -> dict[str, Any]:
+    """ModelFigures' fields (but data) of one built engine, the planner's beside them."""
+    head = "lm" if role == "policy" else "value"
+    layout, pp_rank = engine.layout, groups.pp_rank
+    stage = mp.stage_state(hf, layout, work, head=head, pp_rank=pp_rank)
+    built = engine_bytes(engine)
+    built["checkpoint"] = checkpoint["weights_bytes"] + checkpoint["optimizer_bytes"]
+    pg = groups.parallel
+    return {
+        "role": role,
+        "layout": {"tp": groups.tp_size, "pp": groups.pp_size, "cp": groups.cp_size,
+                   "dp": groups.dp_size, **({"vpp": layout.vpp} if layout.vpp else {})},
+        "coords": {"tp": groups.tp_rank, "pp": pp_rank, "cp": groups.cp_rank,
+                   "dp": groups.dp_rank},
+        "groups": {name: _ranks(getattr(pg, name)) for name in ("tp", "pp", "cp", "dp", "dp_cp")},
+        "param_count": sum(p.numel() for c in engine.chunks for p in c.parameters()),
+        "built": built,
+        "planned": {
+            "params": stage.params, "grads": stage.grads, "optimizer": stage.optimizer,
+            "checkpoint": mp.checkpoint_bytes(hf, layout, work, head=head, pp_rank=pp_rank,
+                                              tp_rank=groups.tp_rank),
+        },
+        "planned_param_count": mp.shard_param_count(hf, layout, head=head, pp_rank=pp_rank),
+        "checkpoint": checkpoint,
+    }  # fmt: skip
