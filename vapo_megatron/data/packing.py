@@ -187,8 +187,8 @@ def pack(
     ends = []  # (first position after the sequence's last real token, end of its padding)
     start = 0
     for sample, p, r, width in zip(samples, n_prompt, n_resp, padded, strict=True):
-        tokens[start : start + p] = torch.as_tensor(sample.prompt)
-        tokens[start + p : start + p + r] = torch.as_tensor(sample.response)
+        tokens[start : start + p] = torch.as_tensor(sample.prompt, device=HOST)
+        tokens[start + p : start + p + r] = torch.as_tensor(sample.response, device=HOST)
         positions[start : start + p + r] = counting[: p + r]
         response = slice(start + p - 1, start + p - 1 + r)  # label-aligned
         mask[response] = True

@@ -415,8 +415,10 @@ class TokenSums:
         if count == 0:
             return 0.0, 0.0
         mean = s.item() / count
-        squares = sum((block.double() - mean).square().sum() for block in picked.split(STAT_BLOCK))
-        (squares,) = self.total([torch.as_tensor(squares, dtype=torch.float64)])
+        squares = torch.zeros((), dtype=torch.float64, device=HOST)
+        for block in picked.split(STAT_BLOCK):
+            squares += (block.double() - mean).square().sum()
+        (squares,) = self.total([squares])
         return mean, math.sqrt(squares.item() / (count - 1)) if count > 1 else 0.0
 
 
