@@ -68,7 +68,9 @@ def test_tiny_dry_run_equals_a_real_two_rank_build(assets: list[str], tmp_path: 
             assert written <= on_disk <= written * 1.05, (rank, role, written, on_disk)
             if len(have["groups"]["dp_cp"]) == 1:  # nothing to balance: the planner is exact
                 assert written == have["planned_bytes"]["checkpoint"], (rank, role)
-    # The tiny policy is TP 2 (each rank its own half), the critic DP 2 (replicas split).
+    # The tiny policy is TP 2 (each rank its own half), the critic DP 2 (replicas split):
+    # layouts that differ take the flat data path.
+    assert dry[0]["data_path"] == dry[1]["data_path"] == "flat"
     assert dry[0]["policy"]["groups"]["tp"] == [0, 1]
     assert dry[0]["critic"]["groups"]["dp"] == [0, 1]
 
@@ -99,6 +101,9 @@ def test_32b_recipe_at_world_128_builds_and_agrees_with_the_planner() -> None:
     assert first["policy"]["groups"]["dp"] == list(range(0, 128, 16))
     assert last["policy"]["coords"] == {"tp": 7, "pp": 0, "cp": 1, "dp": 7}
     assert first["vllm_replica_ranks"] == [0, 1, 2, 3] and last["vllm_replica"] == 31
+    # One layout for both models: each DP rank keeps its samples, GAE on the CP shards.
+    assert first["data_path"] == last["data_path"] == "shards"
+    assert "data path     shards (2 model(s) on one layout (tp=8, pp=1, cp=2" in done.stdout
     assert "== rank 127 of 128" in done.stdout and "not built" in done.stdout
 
 

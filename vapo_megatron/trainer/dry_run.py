@@ -49,7 +49,7 @@ import torch.distributed as dist
 from vapo_megatron.models import memory_plan as mp
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.gpu_settings import FUSION_KERNELS, GpuSettings
-from vapo_megatron.parallel.devices import building_on
+from vapo_megatron.parallel.devices import HOST, building_on
 from vapo_megatron.trainer.config import TrainConfig
 from vapo_megatron.trainer.rollout_phase import replica_share
 
@@ -107,6 +107,9 @@ class RankReport:
     """The ranks of that replica (one vLLM TP group)."""
     replica_prompts: int
     """Prompts of the step that replica generates."""
+    data_path: str = ""
+    """Where the scoring passes' per-token outputs live (``shard_path.choose_path``): "shards"
+    or "flat", with the reason."""
     models: list[ModelFigures] = field(default_factory=list)
 
 
@@ -317,11 +320,35 @@ def synthetic_token_counts(config: TrainConfig) -> list[int]:
     return counts
 
 
-def _data_share(config: TrainConfig, engine, counts: list[int]) -> dict[str, int]:
+def data_path(config: TrainConfig, engines: dict) -> tuple[str, str]:
+    """(path, reason) a VAPO step takes at this rank (``shard_path.choose_path`` on the built
+    engines; the agreement over ranks is a no-op under the fake backend)."""
+    from vapo_megatron.trainer.shard_path import choose_path
+
+    scorers = [engines[role] for role in _roles(config)]
+    choice = choose_path(scorers, requested=config.trainer.gae_path, host_group=dist.group.WORLD)
+    return choice.name, choice.reason
+
+
+def _data_share(config: TrainConfig, engine, counts: list[int], path: str) -> dict[str, int]:
+    """This DP rank's share of the synthetic step: on the shard path the samples it owns for
+    the whole step (the first epoch's mini-batches split by tokens), else ``dp_share`` of the
+    whole step (what the flat path's scoring pass packs)."""
     from vapo_megatron.data.packing import Sample
     from vapo_megatron.trainer.batching import dp_share, plan_micro_batches
 
-    share = dp_share(counts, engine.dp_size, engine.dp_rank)
+    if path == "shards":
+        from vapo_megatron.trainer.shard_path import step_share
+        from vapo_megatron.trainer.step import minibatch_indices
+
+        num_minibatches = max(1, len(counts) // config.trainer.mini_batch_size)
+        parts = minibatch_indices(len(counts), num_minibatches, config.trainer.seed * 1_000_003)
+        lengths = torch.tensor(counts, dtype=torch.long, device=HOST)  # the ids ignore it
+        share = step_share(
+            parts, counts, lengths, dp_size=engine.dp_size, dp_rank=engine.dp_rank
+        ).ids.tolist()
+    else:
+        share = dp_share(counts, engine.dp_size, engine.dp_rank)
     # Shapes only: the planner reads lengths, so the tokens stay on meta.
     samples = [
         Sample(prompt=torch.empty(1, device=META), response=torch.empty(counts[i] - 1, device=META))
@@ -403,10 +430,11 @@ def dry_run(
             k = config.rollout.tensor_parallel_size
             replica = rank // k
             prompts = replica_share(config.algorithm.prompts_per_step, world_size // k, replica)
+            path, reason = data_path(config, built.engines)
             report = RankReport(
                 rank=rank, world_size=world_size, replica=replica,
                 replica_ranks=list(range(replica * k, replica * k + k)),
-                replica_prompts=len(prompts),
+                replica_prompts=len(prompts), data_path=f"{path} ({reason})",
             )  # fmt: skip
             for role in roles:
                 engine, groups = built.engines[role], built.groups[role]
@@ -422,7 +450,7 @@ def dry_run(
                     "group_tensors": sum(len(m) + len(o) for m, o in lists),
                 }  # fmt: skip
                 figures = _figures(role, engine, groups, checkpoint, hf=hf, work=work)
-                data = _data_share(config, engine, counts)
+                data = _data_share(config, engine, counts, path)
                 report.models.append(ModelFigures(**figures, data=data))
             reports.append(report)
     return reports

@@ -30,7 +30,8 @@ def format_report(report: RankReport) -> str:
     """One rank's table: groups, then bytes built beside the planner's, then its data share."""
     lines = [
         f"== rank {report.rank} of {report.world_size}: vLLM replica {report.replica} (ranks "
-        f"{_span(report.replica_ranks)}, {report.replica_prompts} prompts of the step)"
+        f"{_span(report.replica_ranks)}, {report.replica_prompts} prompts of the step)",
+        f"   data path     {report.data_path}",
     ]
     for m in report.models:
         lay, at = m.layout, m.coords
@@ -85,6 +86,7 @@ def summary(reports: Sequence[RankReport]) -> dict[str, Any]:
                 "rank": r.rank,
                 "vllm_replica": r.replica,
                 "vllm_replica_ranks": r.replica_ranks,
+                "data_path": r.data_path.split(" ", 1)[0],
                 **{
                     m.role: {
                         "layout": m.layout,
