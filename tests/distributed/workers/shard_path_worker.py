@@ -44,10 +44,11 @@ CASES = {
     "dp2cp2": ModelLayout(cp=2),
     "tp2sp_cp2": ModelLayout(tp=2, cp=2, sequence_parallel=True),
     "pp2": ModelLayout(pp=2),
+    "dp4_few": ModelLayout(),  # 2 samples over DP4: two ranks own none
 }
+SHAPES = {"dp4_few": (1, 2, 2)}
+"""Per case (prompts, samples per prompt, mini-batch size); the rest use (4, 4, 8)."""
 VOCAB = HF_CONFIG.vocab_size
-N = 4  # samples per prompt
-PROMPTS = 4
 
 
 class Rollout:
@@ -82,11 +83,14 @@ def grade(items, routing, *, timeout_s):
     return results, SimpleNamespace(num_errors=0, num_timeouts=0)
 
 
-def run_once(layout, path, *, algorithm, pretrain, host):
+def run_once(case, path, *, algorithm, pretrain, host):
+    layout = CASES[case]
+    prompts_per_step, n, mini_batch = SHAPES.get(case, (4, 4, 8))
     overrides = [
         f"algorithm.preset={algorithm}",
-        f"algorithm.prompts_per_step={PROMPTS}", f"algorithm.samples_per_prompt={N}",
-        "trainer.mini_batch_size=8", "trainer.ppo_epochs=2", "trainer.micro_batch_tokens=48",
+        f"algorithm.prompts_per_step={prompts_per_step}", f"algorithm.samples_per_prompt={n}",
+        f"trainer.mini_batch_size={mini_batch}", "trainer.ppo_epochs=2",
+        "trainer.micro_batch_tokens=48",
         "trainer.whiten_advantages=true", "reward.overlong_filter=true",
         "rollout.max_new_tokens=20", f"trainer.gae_path={path}",
     ]  # fmt: skip
@@ -111,7 +115,7 @@ def run_once(layout, path, *, algorithm, pretrain, host):
                                     generator=gen).tolist(),
             record=SimpleNamespace(index=g, data_source="math", answer="1"),
         )
-        for g in range(PROMPTS)
+        for g in range(prompts_per_step)
     ]  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
     session = SimpleNamespace(
@@ -171,13 +175,12 @@ def main(cases: list[str]) -> None:
     rollout_phase.score_responses = grade  # the grader is not the data path
     step.sync_weights = lambda session: {}  # nor is the weight stream
     for k, case in enumerate(cases):
-        layout = CASES[case]
         runs = [("vapo", "vapo", False)]
         if k == 0:
             runs += [("critic pretraining", "vapo", True), ("grpo", "grpo", False)]
         for what, algorithm, pretrain in runs:
             results = [
-                run_once(layout, path, algorithm=algorithm, pretrain=pretrain, host=host)
+                run_once(case, path, algorithm=algorithm, pretrain=pretrain, host=host)
                 for path in ("flat", "shards")
             ]
             compare(case, what, *results)
