@@ -1,16 +1,21 @@
 """The step's host bookkeeping at the 32B recipe's step shape, on 2 gloo ranks.
 
-Runs the trainer's own ``run_step`` (rollout gather and filtering, the scoring passes' packing
-and gathers, GAE, mini-batch packing, normalisers, metrics) with the model compute stubbed:
+Runs the trainer's own ``run_step`` (rollout gather and filtering, the scoring passes' packing,
+GAE, mini-batch packing, normalisers, metrics; the shard path by default, the flat path with
+``trainer.gae_path=flat``: ``python tools/bench_scale.py 2048 flat``) with the model compute
+stubbed:
 generation returns synthetic responses of the recipe's length distribution (lognormal, capped
 at max_new_tokens; ~300-token prompts), grading is a constant-time stub, the scoring pass
 returns deterministic values, the updates do no arithmetic and weight sync is skipped. Two
 ranks form two rollout replicas and DP2 for both models.
 
-Bookkeeping seconds = step time - generation - grading - sync (all stubbed to ~0 work). The
-bench runs ``--samples`` per step (default 2,048: a quarter of the 32B step) and extrapolates
-linearly to 8,192 samples; peak host memory per rank (ru_maxrss) is extrapolated as the
-baseline after start-up plus the growth times 8,192 / samples.
+Bookkeeping seconds = step time - generation - grading - sync - the model stub's own time
+(``time/megatron``, as the trainer reports its schedule's compute), for the slowest rank of
+each step; the best of steps 2-4 is reported (the first pays one-time costs, the spread of the
+others is the shared machine's noise, printed too). The bench runs SAMPLES per step (default
+2,048: a quarter of the 32B step) and extrapolates linearly to 8,192 samples; peak host memory
+per rank (ru_maxrss, over all steps) is extrapolated as the baseline after start-up plus the
+growth times 8,192 / samples.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_SAMPLES = 8192
+STEPS = 4
+"""Steps run; the first pays one-time costs, the best of the others is reported."""
 PROMPT_TOKENS = 300
 
 
@@ -112,12 +119,18 @@ def worker(samples: int, steps: int, path: str) -> None:
         )  # fmt: skip
 
         def run(self, mbs, loss_fn, *, forward_only=False):
+            # Stands for the model's forward (and backward): its time is the model's, counted
+            # in compute_seconds as ModelEngine counts its schedule's (time/megatron).
+            start = time.perf_counter()
             if forward_only:  # deterministic outputs from the tokens: log-probs and values
-                return [
+                out = [
                     {"logprobs": mb.tokens.float() * -1e-6, "values": mb.tokens.float() * 1e-6}
                     for mb in mbs
                 ]
-            return [{"loss_share": torch.zeros((), device=HOST)} for _ in mbs]
+            else:
+                out = [{"loss_share": torch.zeros((), device=HOST)} for _ in mbs]
+            self.compute_seconds += time.perf_counter() - start
+            return out
 
         def step(self):
             return {}
@@ -140,17 +153,18 @@ def worker(samples: int, steps: int, path: str) -> None:
     rows = []
     for k in range(steps):
         metrics = step.run_step(session, k, pretrain=False)
-        excluded = sum(metrics.get(f"time/{p}", 0.0) for p in ("rollout", "reward", "sync"))
+        excluded = sum(
+            metrics.get(f"time/{p}", 0.0) for p in ("rollout", "reward", "sync", "megatron")
+        )
         phases = {
             p: round(metrics[f"time/{p}"], 3)
             for p in ("rollout_other", "scoring", "advantages", "update_critic", "update_policy")
         }
         rows.append({"bookkeeping_s": metrics["time/step"] - excluded, **phases})
-    last = rows[-1]
     result = {
         "rank": rank, "samples": int(metrics["num_samples"]),
         "response_tokens": int(metrics["response_length/mean"] * metrics["num_samples"]),
-        "base_gb": base_gb, "peak_gb": rss_gb(), **last,
+        "base_gb": base_gb, "peak_gb": rss_gb(), "steps": rows,
     }  # fmt: skip
     print("SCALE_RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
@@ -165,7 +179,7 @@ def run(quick: bool = False, samples: int | None = None, path: str = "auto") -> 
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONWARNINGS"] = "ignore"
-    command = [sys.executable, __file__, "--worker", str(samples), "2", path]
+    command = [sys.executable, __file__, "--worker", str(samples), str(STEPS), path]
     start = time.perf_counter()
     outputs = run_local_ranks(command, 2, timeout=1800, env=env, cwd=REPO)
     wall = time.perf_counter() - start
@@ -179,17 +193,24 @@ def run(quick: bool = False, samples: int | None = None, path: str = "auto") -> 
         raise RuntimeError("bench scale: a rank gave no result:\n" + "\n".join(outputs))
     scale = STEP_SAMPLES / results[0]["samples"]
     phases = ("rollout_other", "scoring", "advantages", "update_critic", "update_policy")
+    # A step takes as long as its slowest rank; the best of the steps after the first (which
+    # pays one-time costs) is the code's cost, the others add the shared machine's noise.
+    per_step = [max(r["steps"][k]["bookkeeping_s"] for r in results) for k in range(STEPS)]
+    best = min(range(1, STEPS), key=per_step.__getitem__)
     print(f"{samples} samples per step, {results[0]['response_tokens']:,} response tokens, "
-          f"2 gloo ranks (DP2), trainer.gae_path={path}, second step; wall {wall:.0f} s")  # fmt: skip
+          f"2 gloo ranks (DP2), trainer.gae_path={path}; steps 2-{STEPS} took "
+          + ", ".join(f"{t:.2f}" for t in per_step[1:])
+          + f" s, best is step {best + 1}; wall {wall:.0f} s")  # fmt: skip
     print(
         f"{'rank':>4} {'bookkeep s':>10} "
         + " ".join(f"{p:>13}" for p in phases)
         + f" {'peak GB':>8}"
     )
     for r in results:
-        print(f"{r['rank']:>4} {r['bookkeeping_s']:10.2f} "
-              + " ".join(f"{r[p]:13.2f}" for p in phases) + f" {r['peak_gb']:8.2f}")  # fmt: skip
-    seconds = max(r["bookkeeping_s"] for r in results) * scale
+        row = r["steps"][best]
+        print(f"{r['rank']:>4} {row['bookkeeping_s']:10.2f} "
+              + " ".join(f"{row[p]:13.2f}" for p in phases) + f" {r['peak_gb']:8.2f}")  # fmt: skip
+    seconds = per_step[best] * scale
     host_gb = max(r["base_gb"] + (r["peak_gb"] - r["base_gb"]) * scale for r in results)
     print(f"extrapolated to {STEP_SAMPLES} samples (x{scale:g}): {seconds:.1f} s per step, "
           f"{host_gb:.2f} GB host per rank (targets: <= 5 s, <= 2 GB)")  # fmt: skip
@@ -203,6 +224,7 @@ def run(quick: bool = False, samples: int | None = None, path: str = "auto") -> 
                 "response_tokens": round(results[0]["response_tokens"] * scale),
                 "measured_samples": results[0]["samples"],
                 "gae_path": path,
+                "steps_s": [round(t * scale, 2) for t in per_step[1:]],
             }
         )
     )

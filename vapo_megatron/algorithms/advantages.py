@@ -65,5 +65,13 @@ def decoupled_gae_packed(
     lam_policy, lam_critic = gae_lambdas(cfg, lengths)
     lams = lam_policy[None] if lam_critic is lam_policy else torch.stack([lam_policy, lam_critic])
     advantages = gae_packed_lambdas(rewards, values, response_mask, cu_seqlens, lams, cfg.gamma)
-    returns = packed_returns(advantages[-1], values, response_mask)
+    if advantages.shape[0] == 1:  # one lambda: the returns need their own buffer
+        return advantages[0], packed_returns(advantages[0], values, response_mask), lam_policy
+    # The critic's row becomes the returns in place: the two results share one [2, N] buffer.
+    returns = advantages[1]
+    values = values.to(returns.dtype)
+    if bool(response_mask.all()):
+        returns.add_(values)
+    else:
+        returns.addcmul_(values, response_mask.to(returns.dtype))
     return advantages[0], returns, lam_policy

@@ -53,6 +53,10 @@ class MicroBatch:
     num_seqs: int = 0
     """Sequences in the micro-batch."""
 
+    def with_fields(self, names: Sequence[str]) -> MicroBatch:
+        """This micro-batch carrying only the fields ``names`` (no copy)."""
+        return dataclasses.replace(self, fields={name: self.fields[name] for name in names})
+
     def to(self, device: torch.device) -> MicroBatch:
         """This micro-batch with every tensor on ``device`` (the model's): the one place a
         micro-batch leaves the host. Packing builds on the host; the model's engine moves each

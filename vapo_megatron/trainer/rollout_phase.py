@@ -198,15 +198,17 @@ def generate_and_grade(
     if dist.get_rank() % (dist.get_world_size() // num_replicas):
         meta, prompt_ids, response_ids, logprobs = [], array("i"), array("i"), array("f")
         counts.zero_()
-    local = (
+    local = [
         torch.tensor(meta, dtype=torch.float64, device=HOST).reshape(-1),
         _host_tensor(prompt_ids, torch.int32),
         _host_tensor(response_ids, torch.int32),
         _host_tensor(logprobs, torch.float32),
-    )
-    meta_all, prompt_all, response_all, logprob_all = (
-        collectives.all_gather_varlen(x, host_group) for x in local
-    )
+    ]
+    del prompt_ids, response_ids, logprobs  # the tensors above hold them now
+    gathered_parts = []
+    while local:  # each local buffer is freed once gathered: less at the peak
+        gathered_parts.append(collectives.all_gather_varlen(local.pop(0), host_group))
+    meta_all, prompt_all, response_all, logprob_all = gathered_parts
     collectives.all_reduce(counts, host_group)
     counts[2:] /= num_replicas  # mean seconds over replicas
     stats.grader_errors += int(counts[0])

@@ -19,7 +19,7 @@ from vapo_megatron.data.packing import Sample
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
 from vapo_megatron.trainer import advantage_phase as adv
-from vapo_megatron.trainer.batching import build_samples, dp_share
+from vapo_megatron.trainer.batching import build_samples, dp_share, micro_batches
 from vapo_megatron.trainer.loss_fns import (
     logprob_scoring_fn,
     policy_loss_fn,
@@ -47,7 +47,7 @@ from vapo_megatron.trainer.shard_path import (
     run_shard_path,
     step_share,
 )
-from vapo_megatron.trainer.updates import train_on_share
+from vapo_megatron.trainer.updates import train_on_micro_batches, train_on_share
 
 if TYPE_CHECKING:
     from vapo_megatron.models.hf_weights import GatherBuffers
@@ -55,6 +55,10 @@ if TYPE_CHECKING:
     from vapo_megatron.trainer.model_engine import ModelEngine
 
 logger = logging.getLogger("vapo_megatron")
+CRITIC_FIELDS = ["returns", "old_values"]
+"""Per-token fields the critic's loss reads (``loss_fns.value_loss_fn``)."""
+POLICY_FIELDS = ["old_logprobs", "advantages", "positive", "seq_num_tokens"]
+"""Per-token fields the policy's loss reads (``loss_fns.policy_loss_fn``)."""
 
 
 class Timer:
@@ -306,7 +310,7 @@ def run_step(
 
     def critic_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
         length = flat.stop - flat.start
-        return {name: fields.of(name, i, length) for name in ("returns", "old_values")}
+        return {name: fields.of(name, i, length) for name in CRITIC_FIELDS}
 
     def policy_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
         length = flat.stop - flat.start
@@ -330,48 +334,58 @@ def run_step(
     def policy_loss(norm):
         return policy_loss_fn(algo, norm, vocab, temperature=cfg.rollout.temperature)
 
+    def both_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
+        return {**critic_fields(i, flat), **policy_fields(i, flat)}
+
     critic_parts, policy_parts = [], []
     for epoch in range(trainer.ppo_epochs):
         for part in parts_of(epoch):
             chosen = part.tolist()
-            if uses_critic:
-                ids = mine(session.critic, chosen)
+            critic_ids = mine(session.critic, chosen) if uses_critic else None
+            trainable = [] if pretrain else [i for i in chosen if trainable_policy[i]]
+            policy_ids = mine(session.policy, trainable) if trainable else None
+            packed = None
+            if share is not None and critic_ids is not None and policy_ids == critic_ids:
+                # One layout, the same samples: pack once for both models.
                 samples = build_samples(
-                    prompts, responses, ids, offsets, critic_fields, flat_index=False
+                    prompts, responses, critic_ids, offsets, both_fields, flat_index=False
                 )
-                critic_parts.append(
-                    train_on_share(
-                        session.critic,
-                        samples,
-                        critic_loss,
-                        field_names=["returns", "old_values"],
+                packed = micro_batches(
+                    samples, session.critic.layout, cp_rank=session.critic.cp_rank,
+                    token_budget=budget, field_names=CRITIC_FIELDS + POLICY_FIELDS,
+                )  # fmt: skip
+            if critic_ids is not None:
+                if packed is not None:
+                    result = train_on_micro_batches(
+                        session.critic, packed, len(critic_ids), critic_loss,
+                        field_names=CRITIC_FIELDS,
+                    )  # fmt: skip
+                else:
+                    samples = build_samples(
+                        prompts, responses, critic_ids, offsets, critic_fields, flat_index=False
+                    )
+                    result = train_on_share(
+                        session.critic, samples, critic_loss, field_names=CRITIC_FIELDS,
                         token_budget=budget,
                     )  # fmt: skip
-                )
+                critic_parts.append(result)
                 timer.lap("update_critic")
-            if pretrain:
-                continue
-            chosen = [i for i in chosen if trainable_policy[i]]
-            if not chosen:  # every sample overlong-filtered: no update (the same on all ranks)
-                continue
-            ids = mine(session.policy, chosen)
-            samples: list[Sample] = build_samples(
-                prompts, responses, ids, offsets, policy_fields, flat_index=False
-            )
-            policy_parts.append(
-                train_on_share(
-                    session.policy,
-                    samples,
-                    policy_loss,
-                    field_names=[
-                        "old_logprobs",
-                        "advantages",
-                        "positive",
-                        "seq_num_tokens",
-                    ],
+            if policy_ids is None:  # critic pretraining, or every sample overlong-filtered:
+                continue  # no policy update (the same on all ranks)
+            if packed is not None:
+                result = train_on_micro_batches(
+                    session.policy, packed, len(policy_ids), policy_loss,
+                    field_names=POLICY_FIELDS,
+                )  # fmt: skip
+            else:
+                samples: list[Sample] = build_samples(
+                    prompts, responses, policy_ids, offsets, policy_fields, flat_index=False
+                )
+                result = train_on_share(
+                    session.policy, samples, policy_loss, field_names=POLICY_FIELDS,
                     token_budget=budget,
                 )  # fmt: skip
-            )
+            policy_parts.append(result)
             timer.lap("update_policy")
     if policy_parts:
         session.rollout_synced = False

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vapo_megatron.data.packing import Sample
+from vapo_megatron.data.packing import MicroBatch, Sample
 from vapo_megatron.parallel.collectives import all_gather_objects
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.parallel.reductions import LossNormalisers, global_loss_normalisers
@@ -52,10 +52,27 @@ def train_on_share(
         mine, engine.layout, cp_rank=engine.cp_rank, token_budget=token_budget,
         field_names=field_names,
     )  # fmt: skip
+    return train_on_micro_batches(engine, mbs, len(mine), loss_fn_factory)
+
+
+def train_on_micro_batches(
+    engine: ModelEngine,
+    mbs: Sequence[MicroBatch],
+    num_samples: int,
+    loss_fn_factory: Callable[[LossNormalisers], LossFn],
+    *,
+    field_names: Sequence[str] | None = None,
+) -> dict[str, float]:
+    """As :func:`train_on_share`, on this rank's share already packed (``num_samples``
+    samples in ``mbs``): e.g. once for the critic and the policy where both take the same
+    samples on one layout. ``field_names``: the fields this model's loss reads (the others
+    stay behind, never copied to its device); None keeps every field."""
+    if field_names is not None:
+        mbs = [mb.with_fields(field_names) for mb in mbs]
     positive = [mb.fields.get("positive", torch.zeros_like(mb.response_mask)) for mb in mbs]
     # Counted on the host where packing left the masks; reduced and used on the model's device.
     norm = global_loss_normalisers(
-        [mb.response_mask for mb in mbs], positive, len(mine),
+        [mb.response_mask for mb in mbs], positive, num_samples,
         dp_cp_group=engine.groups.parallel.dp_cp, cp_size=engine.layout.cp, device=engine.device,
     )  # fmt: skip
     outputs = engine.run(mbs, loss_fn_factory(norm))
