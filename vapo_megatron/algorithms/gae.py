@@ -176,19 +176,20 @@ def _gae_flat(rewards, values, cu_seqlens, lams, gamma):
     seq_bounds = [0, *(c for c in cuts if 0 < c < lams.shape[1]), lams.shape[1]]
     for first, last in zip(seq_bounds[:-1], seq_bounds[1:], strict=True):
         lo, hi = int(cu_seqlens[first]), int(cu_seqlens[last])
-        out[:, lo:hi] = _gae_block(
+        _gae_block(
             rewards[lo:hi], values[lo:hi], cu_seqlens[first : last + 1] - lo,
-            lams[:, first:last], gamma,
+            lams[:, first:last], gamma, out=out[:, lo:hi],
         )  # fmt: skip
     return out
 
 
-def _gae_block(rewards, values, cu_seqlens, lams, gamma):
+def _gae_block(rewards, values, cu_seqlens, lams, gamma, out=None):
     """GAE over packed sequences whose every token is a response token.
 
     rewards, values: [N]; cu_seqlens: [S + 1] on their device; lams: [K, S] float (K lambdas
     per sequence, e.g. policy and critic). Returns advantages [K, N] (float32 unless float64
-    inputs). The scan coefficient is gamma * lambda inside a sequence and 0 at its last token.
+    inputs), written into ``out`` when given. The scan coefficient is gamma * lambda inside a
+    sequence and 0 at its last token.
     """
     dtype = torch.promote_types(rewards.dtype, torch.float32)
     rewards, values = rewards.to(dtype), values.to(dtype)
@@ -200,19 +201,21 @@ def _gae_block(rewards, values, cu_seqlens, lams, gamma):
     deltas[ends] = rewards[ends] - values[ends]
     # Rows with gamma * lambda = 1 on every sequence (VAPO's critic: lambda_critic = gamma = 1)
     # telescope to plain suffix sums of the deltas: one float64 cumsum, no scan.
-    plain = ((gamma * lams) == 1).all(dim=1)  # [K]
-    if bool(plain.all()):
-        return _suffix_sums(deltas, cu_seqlens).to(dtype).expand(lams.shape[0], -1).clone()
-    scanned = lams if not bool(plain.any()) else lams[~plain]
-    coef = _per_token((gamma * scanned).to(dtype), cu_seqlens)  # [K', N]
-    coef[:, ends] = 0
-    out = segmented_reverse_cumsum(deltas.expand(scanned.shape[0], -1), coef)
-    if not bool(plain.any()):
-        return out
-    full = torch.empty(lams.shape[0], deltas.numel(), dtype=dtype, device=deltas.device)
-    full[~plain] = out
-    full[plain] = _suffix_sums(deltas, cu_seqlens).to(dtype)
-    return full
+    if out is None:
+        out = torch.empty(lams.shape[0], deltas.numel(), dtype=dtype, device=deltas.device)
+    plain = ((gamma * lams) == 1).all(dim=1).tolist()  # [K]
+    scanned = [k for k, p in enumerate(plain) if not p]
+    if scanned:
+        coef = _per_token((gamma * lams[scanned]).to(dtype), cu_seqlens)  # [K', N]
+        coef[:, ends] = 0
+        rows = segmented_reverse_cumsum(deltas.expand(len(scanned), -1), coef)
+        for row, k in enumerate(scanned):
+            out[k] = rows[row]
+    if len(scanned) < len(plain):
+        suffix = _suffix_sums(deltas, cu_seqlens)
+        for k in (k for k, p in enumerate(plain) if p):
+            out[k] = suffix
+    return out
 
 
 def _suffix_sums(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,6 @@ from vapo_megatron.trainer.batching import (
     build_samples,
     dp_owners,
     empty_micro_batch,
-    gather_index,
     plan_micro_batches,
 )
 from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
@@ -368,20 +367,20 @@ def _logprob_gap_sum(
     """float64 sum of |exp(rollout - old) - 1| over this rank's counted tokens, in blocks of
     about ``STAT_BLOCK`` tokens (the rollout log-probs come from the step's flat buffer)."""
     total = torch.zeros((), dtype=torch.float64, device=HOST)
-    ids = share.ids
-    lengths = offsets.diff()[ids]
-    bounds = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-    starts = torch.arange(0, share.num_tokens, STAT_BLOCK, device=HOST)
-    cuts = torch.searchsorted(bounds, starts).tolist()
-    edges = sorted({*cuts, ids.numel()})
-    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
-        span = slice(int(bounds[lo]), int(bounds[hi]))
-        engine = rollout[gather_index(offsets, ids[lo:hi])]
-        trainer = old_logprobs[span]
-        gap = (torch.exp(engine - trainer) - 1).abs()
+    ids = share.ids.tolist()
+    flat = offsets.tolist()
+    block, first, used = [], 0, 0
+    for k, i in enumerate(ids):  # blocks of whole samples: their slices laid end to end
+        block.append(rollout[flat[i] : flat[i + 1]])
+        used += flat[i + 1] - flat[i]
+        if used < STAT_BLOCK and k + 1 < len(ids):
+            continue
+        span = slice(share.start[ids[first]], share.start[ids[first]] + used)
+        gap = torch.cat(block).sub_(old_logprobs[span]).exp_().sub_(1).abs_()
         if sums.counting is not None:
             gap = gap[sums.counting[span]]
         total += gap.sum(dtype=torch.float64)
+        block, first, used = [], k + 1, 0
     return total
 
 
@@ -440,14 +439,15 @@ def critic_metrics(
     stats = torch.zeros(5, dtype=torch.float64, device=HOST)
     for rb, vb in zip(r.split(STAT_BLOCK), v.split(STAT_BLOCK), strict=True):
         r64 = rb.double()
-        e64 = r64 - vb.double()  # R - V without float32 rounding
+        e64 = r64 - vb  # R - V in float64 (the values promote): no float32 rounding
         stats += torch.stack(
             [torch.tensor(float(rb.numel()), dtype=torch.float64, device=HOST), r64.sum(),
              r64.dot(r64), e64.sum(), e64.dot(e64)]
         )  # fmt: skip
-    totals = sums.total([*stats, v.sum(dtype=torch.float64), r.sum(dtype=torch.float64)])
+    totals = sums.total(list(stats))
+    r_sum, e_sum = totals[1].item(), totals[3].item()
     return {
-        "critic/explained_variance": explained_variance(totals[:5]).item(),
-        "critic/values_mean": totals[5].item() / total,
-        "critic/returns_mean": totals[6].item() / total,
+        "critic/explained_variance": explained_variance(totals).item(),
+        "critic/values_mean": (r_sum - e_sum) / total,  # sum V = sum R - sum (R - V)
+        "critic/returns_mean": r_sum / total,
     }
