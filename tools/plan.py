@@ -72,17 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def read_model(spec: str | None, recipe_model_path: str | None) -> tuple[str, HFModelConfig]:
     if spec is None and recipe_model_path is None:
         raise ValueError("give --model (a preset or config.json) or --recipe")
-    spec = spec if spec is not None else recipe_model_path
-    if spec in mp.MODEL_PRESETS:
-        return spec, HFModelConfig.from_hf(mp.MODEL_PRESETS[spec])
-    path = Path(spec)
-    path = path / "config.json" if path.is_dir() else path
-    if not path.is_file():
-        raise ValueError(
-            f"model {spec!r} is neither a preset ({', '.join(sorted(mp.MODEL_PRESETS))}) nor an "
-            "HF config.json; pass --model PRESET when the checkpoint is not on this machine"
-        )
-    return str(path), HFModelConfig.from_hf(json.loads(path.read_text()))
+    from vapo_megatron.trainer.dry_run_report import read_model_config
+
+    return read_model_config(spec, recipe_model_path)
 
 
 def check_recipe(config, hf: HFModelConfig, world_size: int) -> None:

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vapo_megatron.data.packing import Sample
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
 from vapo_megatron.trainer import advantage_phase as adv
@@ -337,6 +336,14 @@ def run_step(
     def both_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
         return {**critic_fields(i, flat), **policy_fields(i, flat)}
 
+    def update(engine, ids, packed, fields_fn, loss, names) -> dict[str, float]:
+        """One gradient step of ``engine`` on its samples ``ids`` of the mini-batch: on the
+        micro-batches ``packed`` for both models when given, else packed here."""
+        if packed is not None:
+            return train_on_micro_batches(engine, packed, len(ids), loss, field_names=names)
+        samples = build_samples(prompts, responses, ids, offsets, fields_fn, flat_index=False)
+        return train_on_share(engine, samples, loss, field_names=names, token_budget=budget)
+
     critic_parts, policy_parts = [], []
     for epoch in range(trainer.ppo_epochs):
         for part in parts_of(epoch):
@@ -355,37 +362,29 @@ def run_step(
                     token_budget=budget, field_names=CRITIC_FIELDS + POLICY_FIELDS,
                 )  # fmt: skip
             if critic_ids is not None:
-                if packed is not None:
-                    result = train_on_micro_batches(
-                        session.critic, packed, len(critic_ids), critic_loss,
-                        field_names=CRITIC_FIELDS,
+                critic_parts.append(
+                    update(
+                        session.critic,
+                        critic_ids,
+                        packed,
+                        critic_fields,
+                        critic_loss,
+                        CRITIC_FIELDS,
                     )  # fmt: skip
-                else:
-                    samples = build_samples(
-                        prompts, responses, critic_ids, offsets, critic_fields, flat_index=False
-                    )
-                    result = train_on_share(
-                        session.critic, samples, critic_loss, field_names=CRITIC_FIELDS,
-                        token_budget=budget,
-                    )  # fmt: skip
-                critic_parts.append(result)
+                )
                 timer.lap("update_critic")
             if policy_ids is None:  # critic pretraining, or every sample overlong-filtered:
                 continue  # no policy update (the same on all ranks)
-            if packed is not None:
-                result = train_on_micro_batches(
-                    session.policy, packed, len(policy_ids), policy_loss,
-                    field_names=POLICY_FIELDS,
+            policy_parts.append(
+                update(
+                    session.policy,
+                    policy_ids,
+                    packed,
+                    policy_fields,
+                    policy_loss,
+                    POLICY_FIELDS,
                 )  # fmt: skip
-            else:
-                samples: list[Sample] = build_samples(
-                    prompts, responses, policy_ids, offsets, policy_fields, flat_index=False
-                )
-                result = train_on_share(
-                    session.policy, samples, policy_loss, field_names=POLICY_FIELDS,
-                    token_budget=budget,
-                )  # fmt: skip
-            policy_parts.append(result)
+            )
             timer.lap("update_policy")
     if policy_parts:
         session.rollout_synced = False
