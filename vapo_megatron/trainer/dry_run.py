@@ -21,9 +21,11 @@ allocated. The figures are then read from the built objects:
   fake backend that strategy's metadata exchange (``all_gather_object``) returns nothing,
   so each peer of the group is built as well and its shard list handed in as the exchange
   would have: the plan is megatron's own, computed on the peers' real shard lists;
-- **data**: the model's data-parallel share (``batching.dp_share``) of a synthetic step of
-  the recipe's shape (prompts_per_step x samples_per_prompt samples, seeded lengths up to
-  data.max_prompt_tokens + rollout.max_new_tokens) and its micro-batches
+- **data**: the data path a VAPO step takes at this rank (``shard_path.choose_path`` on the
+  built engines) and the model's share of a synthetic step of the recipe's shape
+  (prompts_per_step x samples_per_prompt samples, seeded lengths up to
+  data.max_prompt_tokens + rollout.max_new_tokens): on the shard path the samples it owns for
+  the step (``shard_path.step_share``), else ``batching.dp_share``; and its micro-batches
   (``batching.plan_micro_batches``).
 
 Beside each byte figure stands the planner's (``models/memory_plan.py``, what
