@@ -2,9 +2,11 @@
 
 The fixture below lists the parameter and state-dict names megatron-core 0.16.1 gives a Qwen2
 ``GPTModel`` built with ``get_gpt_layer_with_transformer_engine_spec()``, written from the
-sources (TE cannot be built on this CPU machine); the record under ``layer_spec="te"`` must
-give exactly those names, and loading, streaming and exporting through them must round-trip
-bit-identically. Checkpoint tolerance of ``_extra_state`` is in
+sources (TE cannot be built on this CPU machine), and the whole state-dict key set (those plus
+``_extra_state``); the record under ``layer_spec="te"`` must give exactly the parameter names,
+and loading, streaming and exporting through them must round-trip bit-identically. The whole
+key set is compared with a model megatron builds around stand-ins of TE's modules in
+``tests/distributed/test_te_names_model.py``; checkpoint tolerance of ``_extra_state`` is in
 ``tests/distributed/test_te_checkpoint.py``.
 """
 
@@ -69,34 +71,43 @@ TE_LAYER_EXTRA_STATE = (
 #   tensor_parallel.VocabParallelEmbedding ("weight"), whatever the layer spec.
 # - transformer/transformer_block.py: a layer ModuleSpec gets layer_norm=LayerNormImpl, which is
 #   TENorm when TE imports; TENorm (extensions/transformer_engine.py) returns
-#   te.pytorch.RMSNorm: "weight", and since TE 1.13 (an ops BasicOperation,
-#   ops/op.py get_extra_state) an "_extra_state".
-# - models/gpt/gpt_model.py: output_layer is tensor_parallel.ColumnParallelLinear ("weight";
-#   its get_extra_state returns None, so state_dict() has "_extra_state"); absent on a PP = 1
-#   model with tied embeddings. The critic's output layer is the project's ValueHead ("weight").
+#   te.pytorch.RMSNorm, which in TE 2.11 (module/rmsnorm.py) is the ops RMSNorm
+#   (ops/basic/rmsnorm.py: "weight"), a BasicOperation whose get_extra_state (ops/op.py) puts
+#   an "_extra_state" in state_dict().
+# - models/gpt/gpt_model.py: on the last stage output_layer is tensor_parallel
+#   .ColumnParallelLinear under either spec, built even when it shares the embedding: then
+#   (PP = 1, or a chunk that holds both) skip_weight_param_allocation leaves it without a
+#   "weight", but its get_extra_state (tensor_parallel/layers.py, returns None) still puts
+#   "output_layer._extra_state" in state_dict(). GPTModel.sharded_state_dict drops that key,
+#   so it never reaches a distributed checkpoint.
+# - The critic's output layer is the project's ValueHead ("weight"), a plain torch module:
+#   no "_extra_state" (models/provider.py build_model replaces megatron's output layer).
 TE_FIRST = ("embedding.word_embeddings.weight",)
-TE_LAST = ("decoder.final_layernorm.weight", "output_layer.weight")
-TE_LAST_EXTRA_STATE = ("decoder.final_layernorm._extra_state", "output_layer._extra_state")
+TE_FINAL_NORM = ("decoder.final_layernorm.weight",)
+TE_FINAL_NORM_EXTRA_STATE = ("decoder.final_layernorm._extra_state",)
 
 
-def te_parameters(layers: int, *, first: bool, last: bool, output_layer: bool) -> list[str]:
-    """The fixture's parameter names of one chunk (local layer numbering)."""
-    names = list(TE_FIRST) if first else []
-    names += [
-        f"decoder.layers.{i}.{suffix}" for i in range(layers) for suffix in TE_LAYER_PARAMETERS
-    ]
-    if last:
-        names += list(TE_LAST) if output_layer else list(TE_LAST[:1])
-    return names
+def output_layer_names(head: str, *, tied_here: bool) -> tuple[list[str], list[str]]:
+    """(parameters, other state-dict keys) of the last stage's output layer. ``tied_here``:
+    a tied policy whose chunk also holds the embedding."""
+    if head == "value":
+        return ["output_layer.weight"], []
+    return ([] if tied_here else ["output_layer.weight"]), ["output_layer._extra_state"]
 
 
-def te_state_dict_keys(layers: int, *, first: bool, last: bool, output_layer: bool) -> list[str]:
-    extra = [
-        f"decoder.layers.{i}.{suffix}" for i in range(layers) for suffix in TE_LAYER_EXTRA_STATE
-    ]
-    if last:
-        extra += list(TE_LAST_EXTRA_STATE) if output_layer else list(TE_LAST_EXTRA_STATE[:1])
-    return te_parameters(layers, first=first, last=last, output_layer=output_layer) + extra
+def te_names(record: ModelRecord, chunk: ModelChunk) -> tuple[list[str], list[str]]:
+    """The fixture's (parameter names, whole state-dict key set) of one chunk, local layer
+    numbering."""
+    layers = range(len(chunk.layers))
+    params = list(TE_FIRST) if chunk.has_embedding else []
+    params += [f"decoder.layers.{i}.{suffix}" for i in layers for suffix in TE_LAYER_PARAMETERS]
+    extra = [f"decoder.layers.{i}.{suffix}" for i in layers for suffix in TE_LAYER_EXTRA_STATE]
+    if chunk.has_output:
+        tied_here = record.config.tie_word_embeddings and chunk.has_embedding
+        out_params, out_extra = output_layer_names(record.head, tied_here=tied_here)
+        params += list(TE_FINAL_NORM) + out_params
+        extra += list(TE_FINAL_NORM_EXTRA_STATE) + out_extra
+    return params, params + extra
 
 
 # name -> (HF config, head): Qwen2 (QKV bias), tied and untied, policy and critic.
@@ -114,22 +125,10 @@ def te_record(case: str) -> ModelRecord:
 
 
 def fixture_chunks(record: ModelRecord, pp: int) -> list[tuple[ModelChunk, list[str]]]:
-    """(chunk, the fixture's names of it) for each pipeline stage."""
+    """(chunk, the fixture's parameter names of it) for each pipeline stage."""
     config = megatron_config(record, TP, pp)
-    out = []
-    for stage in range(pp):
-        chunk = ModelChunk.for_stage(config, stage)
-        tied = record.head == "lm" and record.config.tie_word_embeddings
-        # A tied policy's last stage keeps its copy of the embedding when it is not the first.
-        output_layer = not tied or not chunk.has_embedding
-        names = te_parameters(
-            len(chunk.layers),
-            first=chunk.has_embedding,
-            last=chunk.has_output,
-            output_layer=output_layer,
-        )
-        out.append((chunk, names))
-    return out
+    chunks = [ModelChunk.for_stage(config, stage) for stage in range(pp)]
+    return [(chunk, te_names(record, chunk)[0]) for chunk in chunks]
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -138,14 +137,13 @@ def test_te_record_names_are_te_parameter_names(case, pp):
     record = te_record(case)
     for chunk, names in fixture_chunks(record, pp):
         assert sorted(record.tensor_maps(chunk)) == sorted(names)
-        # What else a TE state dict holds is _extra_state only: the record misses no weight.
-        keys = te_state_dict_keys(
-            len(chunk.layers),
-            first=chunk.has_embedding,
-            last=chunk.has_output,
-            output_layer="output_layer.weight" in names,
-        )
-        assert all(k.endswith("._extra_state") for k in set(keys) - set(record.tensor_maps(chunk)))
+        # Every other key of a TE state dict is an _extra_state: the record misses no weight.
+        # The fixture's whole key set is held against a model megatron builds with the TE
+        # spec in tests/distributed/test_te_names_model.py.
+        _, keys = te_names(record, chunk)
+        assert len(set(keys)) == len(keys)
+        others = set(keys) - set(record.tensor_maps(chunk))
+        assert others and all(k.endswith("._extra_state") for k in others), others
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -262,33 +260,83 @@ def test_te_unknown_names_still_raise():
 # ----- which spec a model gets, and what the local spec refuses on a GPU -----
 
 
+class TEModule(torch.nn.Module):
+    """TE's state protocol (TransformerEngineBaseModule / BasicOperation in TE 2.11): every
+    instance puts an ``_extra_state`` (a byte tensor) in ``state_dict()``."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
+def te_linear_parameters(module, out_features, in_features, *, bias: bool) -> None:
+    """TE 2.11 module/linear.py and layernorm_linear.py: "weight", then "bias" only with
+    ``bias``; without it a plain empty tensor attribute named bias (not a parameter)."""
+    module.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
+    if bias:
+        module.bias = torch.nn.Parameter(torch.empty(out_features))
+    else:
+        module.bias = torch.empty(0)
+
+
+class TELayerNormColumnParallelLinear(TEModule):
+    """Stands in for megatron's wrapper of ``te.pytorch.LayerNormLinear`` with RMSNorm:
+    "layer_norm_weight" first (no "layer_norm_bias" for RMSNorm), then the linear's."""
+
+    def __init__(self, input_size, output_size, *, bias, tp_group, **_):
+        super().__init__()
+        self.layer_norm_weight = torch.nn.Parameter(torch.empty(input_size))
+        te_linear_parameters(self, output_size // tp_group.size(), input_size, bias=bias)
+
+
+class TERowParallelLinear(TEModule):
+    """Stands in for megatron's wrapper of ``te.pytorch.Linear`` split along its input."""
+
+    def __init__(self, input_size, output_size, *, bias, tp_group, **_):
+        super().__init__()
+        te_linear_parameters(self, output_size, input_size // tp_group.size(), bias=bias)
+
+
+class TEDotProductAttention(TEModule):
+    """``te.pytorch.DotProductAttention`` with vanilla softmax: no parameters, extra state."""
+
+    def __init__(self, *_, **__):
+        super().__init__()
+
+
+class TENorm(TEModule):
+    """What megatron's TENorm returns for RMSNorm: ``te.pytorch.RMSNorm`` ("weight")."""
+
+    def __init__(self, config, hidden_size, eps=1e-5):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size))
+
+
 class FakeTESpecProvider:
     """Stands in for megatron's TESpecProvider where TE cannot be installed: megatron's own
-    get_gpt_layer_with_transformer_engine_spec builds the spec's structure around classes
-    named like TE's (layer_spec_kind identifies TE's fused linear by class name)."""
+    get_gpt_layer_with_transformer_engine_spec builds the spec's structure around stand-ins
+    named like TE's classes (layer_spec_kind identifies TE's fused linear by class name) that
+    register what TE 2.11's modules register, so megatron can build a model from it."""
 
     def __init__(self, *args, **kwargs):
-        named = {
-            n: type(n, (torch.nn.Module,), {})
-            for n in ("TELayerNormColumnParallelLinear", "TERowParallelLinear", "TENorm")
-        }
-        self._classes = named
-        self.attention = type("TEDotProductAttention", (torch.nn.Module,), {})
+        pass
 
     def column_parallel_layer_norm_linear(self):
-        return self._classes["TELayerNormColumnParallelLinear"]
+        return TELayerNormColumnParallelLinear
 
     def row_parallel_linear(self):
-        return self._classes["TERowParallelLinear"]
+        return TERowParallelLinear
 
     def fuse_layernorm_and_linear(self):
         return True
 
     def core_attention(self):
-        return self.attention
+        return TEDotProductAttention
 
     def layer_norm(self, rms_norm=False, for_qk=False):
-        return self._classes["TENorm"]
+        return TENorm
 
     def activation_func(self):
         return None
