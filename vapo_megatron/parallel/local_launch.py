@@ -8,6 +8,7 @@ torchrun or srun instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -48,8 +49,26 @@ def run_local_ranks(
 
     ``console_rank``: that rank writes to this process's stdout/stderr (a user watching a
     run sees its progress) instead of a file; its returned output is "". ``log_dir``: where
-    the other ranks' ``rank{r}.log`` files go (default: a new temporary directory).
+    the other ranks' ``rank{r}.log`` files go and stay (default: a temporary directory,
+    removed before returning: the outputs, and a ``LaunchError``'s message, carry the logs).
     """
+    with contextlib.ExitStack() as scratch:
+        if log_dir is None:
+            log_dir = scratch.enter_context(tempfile.TemporaryDirectory(prefix="vapo_ranks_"))
+        return _run_ranks(command, world_size, timeout, env, cwd, threads_per_rank,
+                          console_rank, Path(log_dir))  # fmt: skip
+
+
+def _run_ranks(
+    command: Sequence[str],
+    world_size: int,
+    timeout: float | None,
+    env: dict[str, str] | None,
+    cwd: str | Path | None,
+    threads_per_rank: int,
+    console_rank: int | None,
+    logdir: Path,
+) -> list[str]:
     env_base = dict(os.environ if env is None else env)
     env_base.update(
         MASTER_ADDR="127.0.0.1",
@@ -57,7 +76,6 @@ def run_local_ranks(
         WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS=str(threads_per_rank),
     )
-    logdir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="vapo_ranks_"))
     logdir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for rank in range(world_size):

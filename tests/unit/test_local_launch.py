@@ -1,0 +1,53 @@
+"""``parallel/local_launch.py`` leaves nothing in the temporary directory.
+
+A launch without ``log_dir`` keeps its ranks' logs in a temporary directory only while it runs:
+the outputs (or the error) carry them, and the directory is gone afterwards, whether the ranks
+passed or failed. With ``log_dir`` the logs stay there.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+
+import pytest
+
+from vapo_megatron.parallel.local_launch import LaunchError, run_local_ranks
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def system_tmp(tmp_path, monkeypatch):
+    """A fresh directory standing for the system's temporary directory."""
+    root = tmp_path / "system_tmp"
+    root.mkdir()
+    monkeypatch.setenv("TMPDIR", str(root))
+    monkeypatch.setattr(tempfile, "tempdir", str(root))  # gettempdir() caches it
+    return root
+
+
+def rank_says(text: str, code: int = 0) -> list[str]:
+    script = f"import os, sys; print({text!r}, os.environ['RANK']); sys.exit({code})"
+    return [sys.executable, "-c", script]
+
+
+def test_a_launch_without_log_dir_leaves_nothing_behind(system_tmp):
+    outputs = run_local_ranks(rank_says("hello"), 2, timeout=60)
+    assert outputs == ["hello 0\n", "hello 1\n"]
+    assert list(system_tmp.iterdir()) == []
+
+
+def test_a_failed_launch_leaves_nothing_behind_and_reports_the_logs(system_tmp):
+    with pytest.raises(LaunchError, match="a rank failed(.|\n)*broken 1") as caught:
+        run_local_ranks(rank_says("broken", code=3), 2, timeout=60)
+    assert 3 in caught.value.returncodes
+    assert list(system_tmp.iterdir()) == []
+
+
+def test_log_dir_keeps_the_logs(system_tmp, tmp_path):
+    logs = tmp_path / "run" / "logs"
+    run_local_ranks(rank_says("kept"), 2, timeout=60, log_dir=logs)
+    assert sorted(p.name for p in logs.iterdir()) == ["rank0.log", "rank1.log"]
+    assert (logs / "rank1.log").read_text() == "kept 1\n"
+    assert list(system_tmp.iterdir()) == []
