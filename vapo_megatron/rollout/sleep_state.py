@@ -32,12 +32,12 @@ CPU tests hold the GPU order.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
 import torch
 
-from vapo_megatron.parallel.devices import HOST
+from vapo_megatron.rollout.host_arena import HostArena
 
 logger = logging.getLogger(__name__)
 
@@ -146,19 +146,30 @@ class SleepState:
 class TrainingOffload:
     """Moves the training state of both models off the device while the engine is awake.
 
-    What moves, per model: its parameters and module buffers, its gradients (megatron's DDP
-    grad buffers, ``main_grad``, ``.grad``) and its optimizer's tensors (fp32 main parameters
-    and Adam moments of every torch optimizer inside a megatron optimizer). Each distinct
-    storage is copied whole into a host buffer (pinned on a GPU, kept for the next step) and
-    resized to zero bytes, so every view of it (``main_grad`` into the grad buffer, parameters
-    into the param buffer, optimizer shards) stays a valid tensor object and sees its exact
-    bytes again after :meth:`restore`. megatron-core's own ``offload_grad_buffers`` zeroes the
-    gradients and its optimizer ``offload_to_cpu`` does nothing to CPU tensors; this keeps both
-    bit-identical and runs the same on CPU (host to a second host buffer: the CPU twin).
+    What leaves, per model: its parameters and module buffers and its optimizer's tensors
+    (fp32 main parameters and Adam moments of every torch optimizer inside a megatron
+    optimizer) are copied to host; its gradients (megatron's DDP grad buffers, ``main_grad``,
+    ``.grad`` and ``decoupled_grad``) are dropped, and come back as zeros: every update starts
+    by zeroing them (``ModelEngine.run``: ``zero_grad_buffer`` and ``optimizer.zero_grad``),
+    so copying them (about 30 GiB per GPU at 32B, each way, every step) would only move bytes
+    that are overwritten. megatron-core's own ``offload_grad_buffers``/``restore_grad_buffers``
+    do the same to the DDP grad buffers; this also covers the gradients outside them, and never
+    drops a storage that parameters or optimizer state live in (e.g. a grad buffer shared with
+    the param buffer for MXFP8 all-gathers, or fp32 main parameters that are the model's own).
+
+    Each distinct storage is resized to zero bytes, so every view of it (``main_grad`` into
+    the grad buffer, parameters into the param buffer, optimizer shards) stays a valid tensor
+    object and sees its bytes again (or zeros, for gradients) after :meth:`restore`. The host
+    copies are views of one ``host_arena.HostArena`` of exactly the bytes copied (page-locked
+    on a GPU, not rounded up; see that module), sized at the first offload of each cycle for
+    the whole cycle, kept across steps and released by :meth:`release` (the engine's
+    ``shutdown``). It grows only when the state does (Adam's moments appear at the first
+    update). On CPU the same code runs with an unpinned arena: the CPU twin.
 
     The order, driven by ``RolloutEngine`` (tests/unit/test_offload_training.py)::
 
-        offload_for_weights   everything except the policy's parameters (the sync reads them)
+        offload_for_weights   gradients dropped; everything else except the policy's
+                              parameters copied (the sync reads them)
         (vLLM weights wake, the policy's weights stream into the engine)
         offload_policy_params the policy's parameters, before the KV cache is allocated
         (generate; vLLM sleeps)
@@ -172,31 +183,43 @@ class TrainingOffload:
     def __init__(self, policy, critic=None, *, pin_memory: bool | None = None) -> None:
         self.policy, self.critic = policy, critic
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._moved: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
-        """(storage now of size 0, host copy of its bytes), in offload order."""
-        self._host: list[torch.Tensor] = []
-        """Host buffers kept across steps, reused in the same order when sizes match."""
+        self.arena = HostArena(pin=self.pin_memory)
+        self._moved: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
+        """(storage now of size 0, its size, its bytes in the arena or None: a gradient that
+        comes back as zeros), in offload order."""
+        self._arena_used = 0
         self.offloaded_bytes = 0
-        """Bytes on the host now (0 when everything is on the device)."""
+        """Bytes copied to the host now (0 when everything is on the device)."""
+        self.dropped_bytes = 0
+        """Gradient bytes freed now, to come back as zeros."""
 
     @property
     def offloaded(self) -> bool:
         return bool(self._moved)
 
     def offload_for_weights(self) -> None:
-        """Critic (all of it), then the policy's gradients and optimizer state; never a storage
-        the policy's parameters live in (without the distributed optimizer, fp32 main
-        parameters are the model's own)."""
-        keep = {_storage_key(t) for t in _param_tensors(self.policy)}
-        if self.critic is not None:
-            self._offload(_model_tensors(self.critic), keep)
-        self._offload(_grad_tensors(self.policy), keep)
-        self._offload(_optimizer_tensors(self.policy.optimizer), keep)
+        """Gradients of both models dropped; the critic's parameters and both optimizers'
+        state copied; never a storage the policy's parameters live in (without the distributed
+        optimizer, fp32 main parameters are the model's own)."""
+        device = self._device()
+        params = _storages(_param_tensors(self.policy), device)
+        state = _storages(self._state_before_sync(), device, skip=params)
+        grads = _storages(self._grad_tensors(), device, skip=params + state)
+        if not self._moved:  # the cycle's first offload: room for this phase and the next
+            self._reserve(state + params)
+        for storage in grads:
+            self.dropped_bytes += storage.nbytes()
+            self._moved.append((storage, storage.nbytes(), None))
+            storage.resize_(0)
+        self._copy(state)
         self._empty_cache()
 
     def offload_policy_params(self) -> None:
         """The policy's parameters and buffers, after the weight sync has read them."""
-        self._offload(_model_tensors(self.policy), set())
+        params = _storages(_param_tensors(self.policy), self._device())
+        if not self._moved:
+            self._reserve(params)
+        self._copy(params)
         self._empty_cache()
 
     def offload_all(self) -> None:
@@ -205,37 +228,62 @@ class TrainingOffload:
         self.offload_for_weights()
         self.offload_policy_params()
         logger.info(
-            "training state off the device while vLLM starts: %d storages, %.3f GiB (host "
-            "buffers%s)", len(self._moved), self.offloaded_bytes / 2**30,
-            ", pinned" if self.pin_memory else "",
+            "training state off the device while vLLM starts: %d storages, %.3f GiB on the "
+            "host (one %sarena of %.3f GiB), %.3f GiB of gradients dropped",
+            len(self._moved), self.offloaded_bytes / 2**30,
+            "pinned " if self.pin_memory else "", self.arena.nbytes / 2**30,
+            self.dropped_bytes / 2**30,
         )  # fmt: skip
 
     def restore(self) -> None:
-        """Every offloaded storage back on the device with its exact bytes."""
-        for storage, host in reversed(self._moved):
-            storage.resize_(host.numel())
-            _raw(storage).copy_(host)
-        self._moved.clear()
-        self.offloaded_bytes = 0
-
-    def _offload(self, tensors, keep: set) -> None:
-        device = next(_param_tensors(self.policy)).device  # the training device
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if tensor.device != device or storage.nbytes() == 0 or _storage_key(tensor) in keep:
-                continue  # host already (Adam's step count), moved already (a view), or kept
-            index = len(self._moved)
-            if index < len(self._host) and self._host[index].numel() == storage.nbytes():
-                host = self._host[index]
+        """Every offloaded storage back on the device: its exact bytes, gradients as zeros."""
+        for storage, nbytes, host in reversed(self._moved):
+            storage.resize_(nbytes)
+            if host is None:
+                _raw(storage).zero_()
             else:
-                host = torch.empty(
-                    storage.nbytes(), dtype=torch.uint8, device=HOST, pin_memory=self.pin_memory
-                )
-                self._host[index:] = [host]
+                _raw(storage).copy_(host)
+        self._moved.clear()
+        self._arena_used = self.offloaded_bytes = self.dropped_bytes = 0
+
+    def release(self) -> None:
+        """Free the host arena (the end of the run); the state must be on the device."""
+        if self.offloaded:
+            raise EngineStateError(
+                "release() while the training state is on the host would lose it: restore() "
+                "first (the engine's sleep does)"
+            )
+        self.arena.release()
+
+    def _state_before_sync(self) -> Iterator[torch.Tensor]:
+        if self.critic is not None:
+            yield from _optimizer_tensors(self.critic.optimizer)
+            yield from _param_tensors(self.critic)
+        yield from _optimizer_tensors(self.policy.optimizer)
+
+    def _grad_tensors(self) -> Iterator[torch.Tensor]:
+        for model in (self.critic, self.policy):
+            if model is not None:
+                yield from _grad_tensors(model)
+
+    def _device(self) -> torch.device:
+        return next(_param_tensors(self.policy)).device  # the training device
+
+    def _reserve(self, storages: list[torch.UntypedStorage]) -> None:
+        """Make the arena hold ``storages`` (the whole cycle's copies), from its start."""
+        self.arena.reserve(sum(s.nbytes() for s in storages))
+        self._arena_used = 0
+
+    def _copy(self, storages: list[torch.UntypedStorage]) -> None:
+        for storage in storages:
+            start, nbytes = self._arena_used, storage.nbytes()
+            assert start + nbytes <= self.arena.nbytes, "offload found more than it reserved"
+            host = self.arena.buffer[start : start + nbytes]
             host.copy_(_raw(storage))
             storage.resize_(0)
-            self._moved.append((storage, host))
-            self.offloaded_bytes += host.numel()
+            self._moved.append((storage, nbytes, host))
+            self._arena_used += nbytes
+            self.offloaded_bytes += nbytes
 
     @staticmethod
     def _empty_cache() -> None:
@@ -251,8 +299,21 @@ def _raw(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return str(tensor.device), tensor.untyped_storage().data_ptr()
+def _storages(
+    tensors: Iterable[torch.Tensor], device: torch.device, skip: Sequence = ()
+) -> list[torch.UntypedStorage]:
+    """The distinct storages ``tensors`` live in on ``device`` that hold bytes and are not
+    among ``skip``, in first-seen order. A tensor elsewhere (Adam's step count on the host)
+    or on an emptied storage (moved already, through another view) is left out."""
+    seen = {s.data_ptr() for s in skip}
+    out = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if tensor.device != device or storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        out.append(storage)
+    return out
 
 
 def _param_tensors(model) -> Iterator[torch.Tensor]:
@@ -262,8 +323,10 @@ def _param_tensors(model) -> Iterator[torch.Tensor]:
 
 
 def _grad_tensors(model) -> Iterator[torch.Tensor]:
+    """Every gradient of a model: megatron DDP's grad buffers (``main_grad`` views them), the
+    parameters' own, and the optimizer's main parameters' (``.grad``, or ``decoupled_grad``
+    with megatron's precision-aware optimizer)."""
     for chunk in model.chunks:
-        # megatron DDP: the grad buffers the main_grad views live in (and the param buffer).
         for buffer in [
             *_ddp_buffers(chunk, "buffers"),
             *_ddp_buffers(chunk, "expert_parallel_buffers"),
@@ -271,9 +334,16 @@ def _grad_tensors(model) -> Iterator[torch.Tensor]:
             if buffer.grad_data is not None:
                 yield buffer.grad_data
         for param in chunk.parameters():
-            for grad in (getattr(param, "main_grad", None), param.grad):
-                if grad is not None:
-                    yield grad
+            yield from _grads_of(param, "main_grad", "grad")
+    for param in _optimizer_params(model.optimizer):
+        yield from _grads_of(param, "grad", "decoupled_grad")
+
+
+def _grads_of(param: torch.Tensor, *names: str) -> Iterator[torch.Tensor]:
+    for name in names:
+        grad = getattr(param, name, None)
+        if grad is not None:
+            yield grad
 
 
 def _ddp_buffers(chunk, name: str) -> list:
@@ -281,22 +351,23 @@ def _ddp_buffers(chunk, name: str) -> list:
     return buffers if isinstance(buffers, list) else []
 
 
-def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
-    """Main parameters and state of every torch optimizer inside a megatron optimizer."""
+def _torch_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
+    """Every torch optimizer inside a megatron optimizer (chained or not)."""
     for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         torch_optimizer = getattr(inner, "optimizer", None)
-        if torch_optimizer is None:
-            continue
+        if torch_optimizer is not None:
+            yield torch_optimizer
+
+
+def _optimizer_params(optimizer) -> Iterator[torch.Tensor]:
+    for torch_optimizer in _torch_optimizers(optimizer):
         for group in torch_optimizer.param_groups:
-            for param in group["params"]:
-                yield param
-                if param.grad is not None:
-                    yield param.grad
+            yield from group["params"]
+
+
+def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
+    """Main parameters and state of every torch optimizer inside a megatron optimizer."""
+    yield from _optimizer_params(optimizer)
+    for torch_optimizer in _torch_optimizers(optimizer):
         for state in torch_optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-
-
-def _model_tensors(model) -> Iterator[torch.Tensor]:
-    yield from _grad_tensors(model)
-    yield from _optimizer_tensors(model.optimizer)
-    yield from _param_tensors(model)
