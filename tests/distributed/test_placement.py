@@ -1,7 +1,8 @@
 """Device placement over a whole tiny ``vapo-train`` run on 2 ranks (see the worker): every
 tensor factory in project code names its device, every collective goes through
 ``parallel/collectives.py``, object collectives stay on the host's gloo group, and the model
-sees only micro-batches moved by ``MicroBatch.to``.
+sees only micro-batches moved by ``MicroBatch.to``; every process group, vLLM's included, gets
+``trainer.dist_timeout_minutes``.
 
 On this CPU machine every tensor is already where it must be and every group is gloo, so
 these records are what stands in for a GPU run; what they cannot see (a collective whose
@@ -33,6 +34,7 @@ def test_one_training_step_places_every_tensor(tmp_path):
         # Policy TP2 (weight stream gathers, vocab-parallel log-probs), critic DP2 (the
         # normalisers' all-reduce over data-parallel ranks, the scoring gather).
         "policy.layout.tp=2", "critic.layout.tp=1",
+        "trainer.dist_timeout_minutes=45",
     ]  # fmt: skip
     outputs = run_workers(WORKER, 2, str(TINY), *args, timeout=420)
     reports = [
@@ -52,3 +54,8 @@ def test_one_training_step_places_every_tensor(tmp_path):
         assert report["direct_collectives"] == [], report["direct_collectives"]
         assert report["object_collectives_off_host"] == [], report["object_collectives_off_host"]
         assert report["unmoved_inputs"] == [], report["unmoved_inputs"]
+        # Every group (the host group, both models', vLLM's world/TP/PP/DP... and their gloo
+        # twins) waits trainer.dist_timeout_minutes, not its backend's default.
+        timeouts = report["group_timeouts"]
+        assert set(timeouts) >= {"ours", "vllm"}, timeouts
+        assert all(set(by) == {"0:45:00"} for by in timeouts.values()), timeouts

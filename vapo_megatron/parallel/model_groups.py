@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -117,13 +118,17 @@ def build_model_groups(
     cp: int,
     world_size: int | None = None,
     host: dist.ProcessGroup | None = None,
+    timeout: timedelta | None = None,
 ) -> ModelGroups:
     """New gloo/NCCL groups (the default backend) for one model with this layout.
 
     Collective: every rank calls it with the same sizes, in the same order (once per model),
     because ``torch.distributed.new_group`` must be called by all ranks for every group.
     DP takes the remaining ranks: dp = world / (tp * pp * cp). ``host``: the job's gloo group
-    (``parallel.collectives.make_host_group``); None makes one for this model. Also creates megatron's scratch
+    (``parallel.collectives.make_host_group``); None makes one for this model. ``timeout``
+    bounds each collective of every group made here (the trainer passes
+    ``trainer.dist_timeout_minutes``): a group made without one gets its backend's default
+    (NCCL: 10 minutes), not the default group's. Also creates megatron's scratch
     buffer, so a later ``parallel_state.initialize_model_parallel`` must come after
     ``destroy_global_memory_buffer()`` (``cpu_shim.initialize_megatron_cpu`` does that).
     """
@@ -136,13 +141,14 @@ def build_model_groups(
         )
     me = _coordinates(dist.get_rank(), sizes)
     cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    bounded = {} if timeout is None else {"timeout": timeout}
 
     def mine(rank_lists) -> dist.ProcessGroup | None:
         """Create every listed group (all ranks must); return this rank's, None if in none."""
         found = None
         for ranks in map(tuple, rank_lists):
             if ranks not in cache:  # identical rank sets share one group
-                cache[ranks] = dist.new_group(list(ranks))
+                cache[ranks] = dist.new_group(list(ranks), **bounded)
             if dist.get_rank() in ranks:
                 found = cache[ranks]
         return found
@@ -185,7 +191,7 @@ def build_model_groups(
         pg_collection=pgs,
         parallel=ParallelGroups(tp=tp_g, pp=pp_g, cp=cp_g, dp=dp_g, dp_cp=dp_cp),
         world=everyone,
-        host=make_host_group() if host is None else host,
+        host=make_host_group(timeout) if host is None else host,
         tp_size=tp,
         pp_size=pp,
         cp_size=cp,

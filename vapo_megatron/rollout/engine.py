@@ -13,12 +13,14 @@ docs/rollout.md for the choices made here and the numbers behind them.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
 import numpy as np
@@ -65,6 +67,11 @@ class RolloutConfig:
     """'auto': read model_path's weights at start; 'dummy': random weights of the right shapes
     (the trainer's engines: the first sync overwrites every weight, so no rank reads the
     checkpoint, 65 GB at 32B, only to discard it). Evaluation of a saved model keeps 'auto'."""
+    dist_timeout: timedelta | None = None
+    """In a distributed job: how long a collective of vLLM's own process groups may wait
+    (vLLM's ``distributed_timeout_seconds`` for its device groups and
+    ``cpu_distributed_timeout_seconds`` for their gloo twins); None: torch's defaults (NCCL 10
+    minutes, gloo 30)."""
     sleep_level: SleepLevel = 1
     """GPU: what sleep frees. 1: weights to host memory (a pinned copy, 16 GB per rank at 32B),
     KV cache dropped, weights valid on wake; 2: both dropped (a full sync must follow every wake;
@@ -160,6 +167,17 @@ def engine_replica(rank: int, world_size: int, tensor_parallel_size: int) -> tup
             f"{world_size}: each group of that many consecutive ranks forms one engine replica"
         )
     return rank // tensor_parallel_size, rank % tensor_parallel_size
+
+
+def _group_timeouts(timeout: timedelta | None) -> dict:
+    """vLLM 0.32 makes its groups (world, TP, PP, DP, DCP, PCP; EP for MoE) with
+    ``torch.distributed.new_group``, each device group and its gloo twin bounded by these
+    engine arguments (``distributed/parallel_state.py``, ``GroupCoordinator.__init__``), not by
+    the default group's timeout. Whole seconds, rounded up."""
+    if timeout is None:
+        return {}
+    seconds = math.ceil(timeout.total_seconds())
+    return {"distributed_timeout_seconds": seconds, "cpu_distributed_timeout_seconds": seconds}
 
 
 def _cpu_scheduling(config: RolloutConfig) -> dict:
@@ -286,6 +304,7 @@ class RolloutEngine:
             logprobs_mode=config.logprobs_mode,
             worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config={"backend": "vapo_inline"},
+            **_group_timeouts(config.dist_timeout),
             **_cpu_scheduling(config) if self.is_cpu else {},
         )
         self.start_seconds = time.perf_counter() - start

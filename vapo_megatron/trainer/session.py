@@ -121,17 +121,18 @@ def build_groups(
     config: TrainConfig, host_group: dist.ProcessGroup
 ) -> tuple[ModelGroups, ModelGroups | None]:
     """The policy's and (with a critic) the critic's process groups, each over the whole world
-    in its own layout, then megatron's process-global scratch buffer and RNG tracker.
-    Collective: every rank calls it at the same point (``trainer/dry_run.py`` too)."""
+    in its own layout, every one bounded by ``trainer.dist_timeout_minutes``, then megatron's
+    process-global scratch buffer and RNG tracker. Collective: every rank calls it at the
+    same point (``trainer/dry_run.py`` too)."""
     policy = build_model_groups(
         tp=config.policy.layout.tp, pp=config.policy.layout.pp, cp=config.policy.layout.cp,
-        host=host_group,
+        host=host_group, timeout=dist_timeout(config),
     )  # fmt: skip
     critic = None
     if config.algorithm.uses_critic:
         critic = build_model_groups(
             tp=config.critic.layout.tp, pp=config.critic.layout.pp, cp=config.critic.layout.cp,
-            host=host_group,
+            host=host_group, timeout=dist_timeout(config),
         )  # fmt: skip
     ensure_global_memory_buffer()
     seed_rng_tracker(policy, seed=config.trainer.seed)
@@ -350,7 +351,7 @@ def start_rollout(
             dtype=r.dtype, max_model_len=r.max_model_len, seed=config.trainer.seed + replica,
             kv_cache_bytes=r.kv_cache_bytes, gpu_memory_utilization=r.gpu_memory_utilization,
             enforce_eager=r.enforce_eager, weight_bucket_bytes=r.weight_bucket_bytes,
-            sleep_level=r.sleep_level, load_format=load_format,
+            sleep_level=r.sleep_level, load_format=load_format, dist_timeout=dist_timeout(config),
             # After temperature (and top-p): at top_p = 1 these equal the Megatron policy's
             # log-probs at the sampling temperature, which the log-prob gap compares with.
             logprobs_mode="processed_logprobs",

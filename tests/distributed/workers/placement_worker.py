@@ -10,6 +10,8 @@ recorders, each standing in for a CUDA behaviour this CPU machine cannot show.
    payload bytes on the GPU).
 3. Micro-batches. Every input the Megatron model receives came out of ``MicroBatch.to``, the
    one place that moves a micro-batch to the model's device.
+4. Group timeouts. Every ``new_group`` call (ours, megatron's, vLLM's) and the timeout it
+   was given: a group made without one keeps NCCL's 10 minutes on a GPU.
 
 argv: the recipe, then overrides. Prints one ``PLACEMENT {json}`` line per rank.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -70,6 +73,7 @@ class Report:
         self.object_off_host: set[str] = set()
         self.through_helper = 0
         self.host_groups: list[dist.ProcessGroup] = []
+        self.group_timeouts: dict[str, Counter[str]] = defaultdict(Counter)
         self.moved: list[torch.Tensor] = []  # held, so an id is never reused
         self.moved_ids: set[int] = set()
         self.model_calls = 0
@@ -98,6 +102,9 @@ def wrap_collectives() -> None:
         group = new_group(*args, **kwargs)
         if kwargs.get("backend") == "gloo":
             REPORT.host_groups.append(group)
+        caller = sys._getframe(1).f_code.co_filename
+        maker = "vllm" if "/vllm/" in caller else "megatron" if "/megatron/" in caller else "ours"
+        REPORT.group_timeouts[maker][str(kwargs.get("timeout"))] += 1
         return group
 
     dist.new_group = recording_new_group
@@ -173,6 +180,7 @@ def main() -> None:
         "object_collectives_off_host": sorted(REPORT.object_off_host),
         "model_calls": REPORT.model_calls,
         "unmoved_inputs": sorted(REPORT.unmoved_inputs),
+        "group_timeouts": REPORT.group_timeouts,
     }
     print("PLACEMENT " + json.dumps(report), flush=True)
 
