@@ -139,12 +139,14 @@ def worker(samples: int, steps: int, path: str) -> None:
         def next_indices(self, count):
             return list(range(count))
 
+    # The step saves its rollouts under run_dir: removed when this worker ends.
+    run_dir = tempfile.TemporaryDirectory(prefix="bench_scale_")
     session = SimpleNamespace(
         config=config, policy=Engine(), critic=Engine(), rollout=Rollout(), rollout_synced=True,
         sampler=Sampler(), train=SimpleNamespace(items=prompts),
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: ""),
         stop_token_ids=[0], routing={}, replica=rank, num_replicas=world, host_group=host,
-        rank=rank, run_dir=Path(tempfile.mkdtemp(prefix="bench_scale_")),
+        rank=rank, run_dir=Path(run_dir.name),
     )  # fmt: skip
     rollout_phase.score_responses = grade  # the grader is not the data path
     step.sync_weights = lambda session: {}  # nor is the weight stream (tools/bench.py sync)
@@ -167,6 +169,7 @@ def worker(samples: int, steps: int, path: str) -> None:
         "base_gb": base_gb, "peak_gb": rss_gb(), "steps": rows,
     }  # fmt: skip
     print("SCALE_RESULT " + json.dumps(result), flush=True)
+    run_dir.cleanup()
     dist.destroy_process_group()
 
 

@@ -17,8 +17,8 @@ WORKER = Path(__file__).parent / "workers" / "shard_path_worker.py"
 @pytest.mark.parametrize(
     "world,cases", [(2, ["dp2", "cp2", "pp2"]), (4, ["dp2cp2", "tp2sp_cp2", "dp4_few"])]
 )
-def test_shard_path_equals_flat_path(world, cases):
-    outputs = run_workers(WORKER, world, ",".join(cases), timeout=420)
+def test_shard_path_equals_flat_path(world, cases, tmp_path):
+    outputs = run_workers(WORKER, world, ",".join(cases), str(tmp_path), timeout=420)
     text = "\n".join(outputs)
     for case in cases:
         assert f"{case} vapo: " in text

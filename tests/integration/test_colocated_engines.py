@@ -2,8 +2,6 @@
 consecutive ranks each, fed in process by the weight stream from a Megatron policy at TP2 and
 at PP2 (DP2); and the trainer itself running one VAPO step with them."""
 
-import tempfile
-
 import pytest
 
 from tests.integration.test_rollout_sync import WORKER, check_sync_outputs
@@ -14,9 +12,8 @@ pytest.importorskip("vllm", reason="vllm is not installed (make test installs vl
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
 
-def test_megatron_tp2_pp2_into_two_vllm_tp2_replicas():
-    with tempfile.TemporaryDirectory() as hf_dir:
-        outputs = run_workers(WORKER, 4, hf_dir, "2", timeout=500)
+def test_megatron_tp2_pp2_into_two_vllm_tp2_replicas(tmp_path):
+    outputs = run_workers(WORKER, 4, str(tmp_path), "2", timeout=500)
     check_sync_outputs(outputs)
     for rank, output in enumerate(outputs):
         assert f"rank {rank}: replica {rank // 2} of 2 (vLLM TP 2)" in output

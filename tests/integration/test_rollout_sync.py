@@ -2,7 +2,6 @@
 replica per rank; TP2: one replica over both ranks), against transformers: greedy parity,
 log-prob agreement, a trained step visible, A -> B -> A exact, the sleep/wake order."""
 
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,6 @@ def check_sync_outputs(outputs: list[str]) -> None:
 
 
 @pytest.mark.parametrize("engine_tp", [1, 2])
-def test_megatron_to_vllm(engine_tp):
-    with tempfile.TemporaryDirectory() as hf_dir:
-        outputs = run_workers(WORKER, 2, hf_dir, str(engine_tp), timeout=400)
+def test_megatron_to_vllm(engine_tp, tmp_path):
+    outputs = run_workers(WORKER, 2, str(tmp_path), str(engine_tp), timeout=400)
     check_sync_outputs(outputs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +52,16 @@ def test_log_dir_keeps_the_logs(system_tmp, tmp_path):
     assert sorted(p.name for p in logs.iterdir()) == ["rank0.log", "rank1.log"]
     assert (logs / "rank1.log").read_text() == "kept 1\n"
     assert list(system_tmp.iterdir()) == []
+
+
+def test_the_suite_gives_ranks_a_temporary_directory_of_its_own(session_tmpdir):
+    # tests/conftest.py: ranks and tools the suite starts make their temporaries under pytest's
+    # directory, which pytest prunes, not in /tmp.
+    (output,) = run_local_ranks(
+        [sys.executable, "-c", "import tempfile; print(tempfile.mkdtemp(prefix='rank_'))"],
+        1,
+        timeout=60,
+    )
+    made = Path(output.strip())
+    assert made.parent == session_tmpdir and made.is_dir()
+    made.rmdir()

@@ -10,13 +10,13 @@ Each case runs one VAPO step twice from the same weights, once per path, with tw
 2-3 micro-batches per rank, the overlong filter and whitening on; a critic-pretraining step
 (Monte-Carlo returns on the shards) and a GRPO step (no critic) at the first case's layout.
 
-Usage: python shard_path_worker.py CASE[,CASE...]  (names in CASES; world size from the env).
+Usage: python shard_path_worker.py CASE[,CASE...] OUT_DIR  (names in CASES; world size from the
+env; each run's rollouts go to its own directory under OUT_DIR).
 """
 
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -83,7 +83,7 @@ def grade(items, routing, *, timeout_s):
     return results, SimpleNamespace(num_errors=0, num_timeouts=0)
 
 
-def run_once(case, path, *, algorithm, pretrain, host):
+def run_once(case, path, *, algorithm, pretrain, host, out_dir):
     layout = CASES[case]
     prompts_per_step, n, mini_batch = SHAPES.get(case, (4, 4, 8))
     overrides = [
@@ -124,7 +124,7 @@ def run_once(case, path, *, algorithm, pretrain, host):
         train=SimpleNamespace(items=prompts),
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: ""),
         stop_token_ids=[0], routing={}, replica=rank, num_replicas=world, host_group=host,
-        rank=rank, run_dir=Path(tempfile.mkdtemp(prefix="shard_path_")),
+        rank=rank, run_dir=out_dir / f"{case}-{algorithm}-{pretrain}-{path}-rank{rank}",
     )  # fmt: skip
     metrics = step.run_step(session, 3, pretrain=pretrain)
     weights = {}
@@ -168,7 +168,7 @@ def make_reference(key: str) -> torch.Tensor:
     return _REFERENCE[key]
 
 
-def main(cases: list[str]) -> None:
+def main(cases: list[str], out_dir: Path) -> None:
     torch.manual_seed(0)
     initialize_cpu_process_group()
     host = make_host_group()
@@ -180,7 +180,9 @@ def main(cases: list[str]) -> None:
             runs += [("critic pretraining", "vapo", True), ("grpo", "grpo", False)]
         for what, algorithm, pretrain in runs:
             results = [
-                run_once(case, path, algorithm=algorithm, pretrain=pretrain, host=host)
+                run_once(
+                    case, path, algorithm=algorithm, pretrain=pretrain, host=host, out_dir=out_dir
+                )
                 for path in ("flat", "shards")
             ]
             compare(case, what, *results)
@@ -189,4 +191,4 @@ def main(cases: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(","))
+    main(sys.argv[1].split(","), Path(sys.argv[2]))
