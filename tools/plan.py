@@ -8,10 +8,12 @@ loader and checks (``load_recipe``, ``TrainConfig.check``, ``check_layout_pair``
 ``ModelLayout.check``): exit 2 with the trainer's message when it would refuse to start. Its
 layout is then planned as written, and, when it does not fit, the recipe values to change are
 listed. A recipe's recompute (policy/critic.recompute), offload
-(rollout.offload_training_state), grad_reduce_in_fp32 and enforce_eager are planned as the
-trainer will run them; without a recipe ``--recompute`` and ``--offload`` say, and a layout is
-searched for. "Fits" means every phase leaves ``--min-headroom-gib`` (8) free. Each figure is
-labelled exact, measured (on CPU) or estimated; the memory model is
+(rollout.offload_training_state), grad_reduce_in_fp32, enforce_eager, rollout.sleep_level and
+trainer.checkpoint_async are planned as the trainer will run them; without a recipe
+``--recompute`` and ``--offload`` say (vLLM sleeps at level 2, checkpoints are saved
+synchronously), and a layout is searched for. "Fits" means every phase leaves ``--min-headroom-gib`` (8) free. Each figure is
+labelled exact, measured (on CPU) or estimated, the pinned host memory per GPU and per node by
+part (training-state offload, checkpoint staging, vLLM's sleep backups) too; the memory model is
 ``vapo_megatron/models/memory_plan.py``. The last line printed is JSON: ``{"fits": ...,
 "layout": {...}, "peak_gib": ..., "headroom_gib": ..., "kv_sequences_per_replica": ...,
 "rollout_seconds_estimated": ..., ...}``.
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch_tokens=args.micro_batch_tokens
         or (config.trainer.micro_batch_tokens if config else 16384),
         reserve_bytes=int(args.reserve_gib * mp.GIB),
+        gpus_per_node=args.gpus_per_node,
         min_headroom_bytes=int(args.min_headroom_gib * mp.GIB),
         **(recipe_workload(config) if config else cli_workload(args)),
     )
@@ -173,7 +176,8 @@ def cli_workload(args: argparse.Namespace) -> dict[str, object]:
 
 RECIPE_FIELDS = ("bf16", "distributed_optimizer", "critic_distributed_optimizer", "uses_critic",
                  "policy_recompute", "critic_recompute", "grad_reduce_in_fp32", "rollout_tp",
-                 "gpu_memory_utilization", "offload", "enforce_eager", "samples_per_step")  # fmt: skip
+                 "gpu_memory_utilization", "offload", "enforce_eager", "samples_per_step",
+                 "sleep_level", "checkpoint_async")  # fmt: skip
 
 
 def recipe_workload(config) -> dict[str, object]:

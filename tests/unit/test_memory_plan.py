@@ -119,7 +119,10 @@ def test_paper_layout_needs_offload_and_recompute_for_vllm_at_0_6() -> None:
     assert all(gpu.memory_bytes - need >= 8 * mp.GIB for need in fitted.phases.values())
     assert fitted.phases["rollout"] < resident.phases["rollout"] - 40 * mp.GIB
     assert fitted.concurrent_sequences > 20 and fitted.rollout_seconds < resident.rollout_seconds
-    assert fitted.host_bytes == fitted.policy_memory.state + fitted.critic_memory.state
+    pinned = fitted.pinned["training_state"]  # grads are dropped, not copied
+    assert pinned.label == "exact" and pinned.nbytes == sum(
+        m.params + m.optimizer for m in (fitted.policy_memory, fitted.critic_memory)
+    )
     assert mp.max_vllm_utilization(model, gpu, PAPER, PAPER, offloaded) >= 0.8
     # Distributed optimizer: Adam over DP x CP = 16 ranks; no sharding is 16x as large.
     plain = mp.plan(model, gpu, PAPER, PAPER, paper_workload(distributed_optimizer=False))
@@ -194,6 +197,57 @@ def test_what_the_trainer_keeps_is_counted() -> None:
     json.dumps(summary)  # the CLI's last line
 
 
+@pytest.mark.unit
+def test_pinned_blocks_round_up_to_powers_of_two() -> None:
+    assert [mp.pinned_block(n) for n in (0, 1, 3, 4, 5, 3 << 30)] == [0, 1, 4, 4, 8, 4 << 30]
+    assert mp.pinned_rounding([3, 4]) == 8 / 7
+
+
+@pytest.mark.unit
+def test_pinned_host_memory_counts_every_part() -> None:
+    """Every pinned byte a GPU's rank holds, labelled: the offloaded training state (exact, no
+    grads), megatron's checkpoint staging and vLLM's sleep backups (estimated); per node too."""
+    model, gpu = hf("qwen2.5-32b"), mp.GPUS["h100-80gb"]
+    work = paper_workload(offload="rollout", policy_recompute=BLOCK_24,
+                          critic_recompute=BLOCK_24, gpu_memory_utilization=0.7)  # fmt: skip
+    base = mp.plan(model, gpu, PAPER, PAPER, work)
+    parts = base.pinned
+    assert list(parts) == ["training_state", "checkpoint_staging", "vllm_cuda_graphs",
+                           "vllm_runtime"]  # fmt: skip
+    assert {name: p.label for name, p in parts.items()} == {
+        "training_state": "exact", "checkpoint_staging": "estimated",
+        "vllm_cuda_graphs": "estimated", "vllm_runtime": "estimated",
+    }  # fmt: skip
+    models = (base.policy_memory, base.critic_memory)
+    assert parts["training_state"].nbytes == sum(m.params + m.optimizer for m in models)
+    assert base.host_bytes == sum(p.nbytes for p in parts.values())
+    assert base.host_bytes_per_node == 8 * base.host_bytes
+    assert 25 * mp.GIB < base.host_bytes < 35 * mp.GIB  # was "51 GiB [exact]" with grads
+    # Staging: each model's per-rank checkpoint share, power-of-two rounded (1 to 2x); a sync
+    # save reuses the blocks model after model, an async one stages both at once.
+    shares = [mp.checkpoint_bytes(model, PAPER, work, head=h, pp_rank=0) for h in ("lm", "value")]
+    sync = parts["checkpoint_staging"].nbytes
+    assert max(shares) < sync < 2 * max(shares)
+    async_ = mp.plan(model, gpu, PAPER, PAPER, replace(work, checkpoint_async=True))
+    assert sum(shares) < async_.pinned["checkpoint_staging"].nbytes < 2 * sum(shares)
+    # vLLM: level 1 backs up its weight shard; eager mode has no graph pool to back up.
+    level1 = mp.plan(model, gpu, PAPER, PAPER, replace(work, sleep_level=1)).pinned
+    assert base.vllm_weights < level1["vllm_weights"].nbytes < 2 * base.vllm_weights
+    eager = mp.plan(model, gpu, PAPER, PAPER, replace(work, enforce_eager=True))
+    assert "vllm_cuda_graphs" not in eager.pinned
+    # The weights' wake brings the graph pool back: the sync holds it, the updates do not.
+    assert base.phases["weight_sync"] - eager.phases["weight_sync"] == mp.VLLM_CUDA_GRAPHS
+    assert base.phases["policy_update"] == eager.phases["policy_update"]
+    resident = mp.plan(model, gpu, PAPER, PAPER, replace(work, offload="none"))
+    assert "training_state" not in resident.pinned
+    table = mp.format_plan(base, "32B")
+    assert "per 8-GPU node" in table
+    assert all(f"[{p.label}] {p.what}" in table for p in parts.values())
+    summary = mp.plan_summary(base)
+    assert summary["pinned_gib_per_gpu"]["training_state"]["label"] == "exact"
+    assert summary["host_gib_per_node"] == round(base.host_bytes_per_node / mp.GIB, 1)
+
+
 def _plan_tool():
     spec = importlib.util.spec_from_file_location("plan_tool", REPO / "tools" / "plan.py")
     module = importlib.util.module_from_spec(spec)
@@ -219,6 +273,14 @@ def test_recipes_fit_with_headroom_and_vllm_at_0_6(recipe, model, nodes, capsys)
     assert tool.main([*args, "--set", "rollout.offload_training_state=false"]) == 0
     resident = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert not resident["recipe_fits"] and resident["layout"]["offload"] == "none"
+    # The recipe's sleep level and checkpoint mode reach the pinned host memory.
+    pinned = out["pinned_gib_per_gpu"]
+    assert "vllm_weights" not in pinned and out["host_gib_per_node"] > 8 * 20
+    more = ["--set", "rollout.sleep_level=1", "--set", "trainer.checkpoint_async=true"]
+    assert tool.main([*args, *more]) == 0
+    level1 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["pinned_gib_per_gpu"]
+    assert level1["vllm_weights"]["label"] == "estimated"
+    assert level1["checkpoint_staging"]["gib"] > pinned["checkpoint_staging"]["gib"]
 
 
 if __name__ == "__main__":

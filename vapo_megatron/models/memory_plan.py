@@ -39,9 +39,22 @@ The model behind ``tools/plan.py``. Every figure is labelled in its output as on
   and the batch's KV once per generated token (``rollout_seconds``).
 
 Training state and offload: with ``rollout.offload_training_state`` (``offload="rollout"``) the
-trainer moves both models' params, grads and Adam state to the host before vLLM starts and
-while it is awake (``rollout/sleep_state.py``): the rollout phase holds none of it, the weight
-sync only the policy's parameters. Every phase must leave ``min_headroom_bytes`` free.
+trainer moves both models' params and Adam state to the host and drops their grads before vLLM
+starts and while it is awake (``rollout/sleep_state.py``): the rollout phase holds none of it,
+the weight sync only the policy's parameters. vLLM's sleep takes its CUDA-graph pool and its
+"runtime" pool to the host too (``sleep_mode_offload_cudagraph``, ``rollout/engine.py``); both
+come back with the weights' wake, so the weight sync holds them. Every phase must leave
+``min_headroom_bytes`` free.
+
+Pinned host memory per GPU (:func:`pinned_parts`, ``Plan.pinned``), every part labelled:
+the offloaded training state (exact: one arena of exactly params + Adam bytes, page-locked in
+place, ``rollout/host_arena.py``); megatron's checkpoint staging (estimated: its save copies
+the rank's share to the host with ``non_blocking=True``, which pins through torch's caching host
+allocator, sync saves as well as async ones; each tensor rounds up to a power of two, and the
+blocks stay cached for the rest of the run; async saves stage both models at once, sync saves
+one part at a time, reusing the blocks); vLLM's sleep backups (estimated: ``CuMemAllocator``
+copies each offloaded allocation into ``torch.empty(..., pin_memory=True)``, power-of-two
+rounded: the weights at level 1, the runtime pool and the CUDA-graph pool at every level).
 """
 
 from __future__ import annotations
@@ -61,6 +74,14 @@ VLLM_OVERHEAD = int(1.5 * GIB)
 run, sampler (an estimate; vLLM measures it at start)."""
 VLLM_CUDA_GRAPHS = 1 * GIB
 """vLLM's CUDA-graph pool without enforce_eager (an estimate; counted inside its budget)."""
+VLLM_RUNTIME_POOL = 256 << 20
+"""vLLM's "runtime" cuMem pool (state built with the KV cache: input batch, block tables,
+attention metadata buffers; an estimate). Inside VLLM_OVERHEAD while awake; on the host while
+asleep, back on the device from the weights' wake."""
+PINNED_ROUNDING_UNKNOWN = 1.5
+"""Pinned bytes per byte asked where the block sizes are not known: torch's caching host
+allocator rounds each block up to a power of two, 1/ln 2 = 1.44 times the size on average over
+sizes spread evenly on a log scale (an estimate)."""
 CUDA_CONTEXT = int(0.6 * GIB)
 """CUDA context and kernels' modules per process (an estimate)."""
 NCCL_PER_COMMUNICATOR = GIB // 4
@@ -80,8 +101,8 @@ OFFLOADS: dict[str, str] = {
     "none": "everything resident (rollout.offload_training_state=false)",
     "optimizer": "Adam state on the host, step on the CPU (megatron-core optimizer_cpu_offload; "
     "planning only: not wired into the trainer)",
-    "rollout": "both models' params, grads and Adam state on the host while vLLM starts and is "
-    "awake (rollout.offload_training_state=true)",
+    "rollout": "both models' params and Adam state on the host, grads dropped, while vLLM "
+    "starts and is awake (rollout.offload_training_state=true)",
 }
 Recompute = tuple[str | None, str | None, int | None]
 """(granularity, method, num_layers), as ``RecomputeSettings`` in a recipe."""
@@ -134,32 +155,42 @@ MODEL_PRESETS: dict[str, dict[str, object]] = {
 """HF config.json values of the published checkpoints (only what the Megatron model reads)."""
 
 
-def shard_param_count(hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int) -> int:
-    """Parameters one rank at ``pp_rank`` holds (every TP rank of a stage holds the same count,
-    norms replicated); equals ``sum(p.numel())`` over its megatron-core ``GPTModel`` chunks."""
+def shard_tensor_numels(
+    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int
+) -> list[int]:
+    """Elements of each parameter tensor one rank at ``pp_rank`` holds (every TP rank of a
+    stage holds the same shapes, norms replicated)."""
     tp, pp = layout.tp, layout.pp
     h, hd = hf.hidden_size, hf.head_dim
     qkv_out = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * hd
-    per_layer = (
-        2 * h  # input and pre-MLP RMSNorm weights
-        + qkv_out // tp * (h + int(hf.qkv_bias))  # fused QKV, column-parallel
-        + h * (hf.num_attention_heads * hd // tp)  # output projection, row-parallel
-        + 2 * hf.intermediate_size // tp * h  # fused gate/up, column-parallel
-        + h * (hf.intermediate_size // tp)  # down projection, row-parallel
-    )
-    count = per_layer * hf.num_layers // pp
+    layer = [
+        h,  # input RMSNorm weight
+        h,  # pre-MLP RMSNorm weight
+        qkv_out // tp * h,  # fused QKV, column-parallel
+        *([qkv_out // tp] if hf.qkv_bias else []),
+        h * (hf.num_attention_heads * hd // tp),  # output projection, row-parallel
+        2 * hf.intermediate_size // tp * h,  # fused gate/up, column-parallel
+        h * (hf.intermediate_size // tp),  # down projection, row-parallel
+    ]
+    numels = layer * (hf.num_layers // pp)
     vocab_shard = hf.padded_vocab_size(tp) // tp * h
     first, last = pp_rank == 0, pp_rank == pp - 1
     if first:
-        count += vocab_shard
+        numels.append(vocab_shard)
     if last:
-        count += h  # final norm
+        numels.append(h)  # final norm
         if head == "value":
-            count += h  # ValueHead: Linear(h, 1), replicated
+            numels.append(h)  # ValueHead: Linear(h, 1), replicated
         elif not (hf.tie_word_embeddings and first):
             # Tied under PP: the last stage keeps its own copy, all-reduced with the first's.
-            count += vocab_shard
-    return count
+            numels.append(vocab_shard)
+    return numels
+
+
+def shard_param_count(hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int) -> int:
+    """Parameters one rank at ``pp_rank`` holds; equals ``sum(p.numel())`` over its
+    megatron-core ``GPTModel`` chunks."""
+    return sum(shard_tensor_numels(hf, layout, head=head, pp_rank=pp_rank))
 
 
 def total_param_count(hf: HFModelConfig, *, head: Head) -> int:
@@ -204,6 +235,12 @@ class Workload:
     """What leaves the device, and when (OFFLOADS)."""
     enforce_eager: bool = False
     """vLLM without CUDA graphs (rollout.enforce_eager)."""
+    sleep_level: int = 2
+    """vLLM's sleep level (rollout.sleep_level): 1 keeps a pinned host copy of its weights."""
+    checkpoint_async: bool = False
+    """Background checkpoint saves (trainer.checkpoint_async): both models staged at once."""
+    gpus_per_node: int = 8
+    """GPUs (ranks) per node: the per-node pinned host memory."""
     reserve_bytes: int = 2 * GIB
     """Per-GPU allocator fragmentation and what nothing else counts (besides the CUDA context
     and NCCL buffers, which reserve_parts adds)."""
@@ -235,6 +272,16 @@ class ModelMemory:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PinnedPart:
+    """Pinned host memory one GPU's rank holds for one purpose."""
+
+    nbytes: int
+    label: Literal["exact", "estimated"]
+    what: str
+    """What holds it and why the figure is what it is (one line)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """Memory of one layout by phase, and whether it fits."""
 
@@ -256,6 +303,8 @@ class Plan:
     """Why it does not divide or fit; empty when it fits."""
     reserve: dict[str, int]
     """The per-GPU reserve by part (reserve_parts), included in every phase."""
+    pinned: dict[str, PinnedPart]
+    """Pinned host memory per GPU by part (pinned_parts)."""
 
     @property
     def peak(self) -> int:
@@ -263,10 +312,12 @@ class Plan:
 
     @property
     def host_bytes(self) -> int:
-        """Pinned host memory per GPU holding the offloaded training state (0 without)."""
-        if self.workload.offload != "rollout":
-            return 0
-        return sum(m.state for m in (self.policy_memory, self.critic_memory) if m is not None)
+        """Pinned host memory per GPU, every part (``pinned``) together."""
+        return sum(part.nbytes for part in self.pinned.values())
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        return self.host_bytes * self.workload.gpus_per_node
 
     @property
     def headroom(self) -> int:
@@ -437,6 +488,78 @@ def activation_bytes(hf: HFModelConfig, layout: ModelLayout, work: Workload, *, 
     return math.ceil(total)
 
 
+def pinned_block(nbytes: int) -> int:
+    """Bytes torch's caching host allocator pins for one request of ``nbytes`` (torch 2.13
+    with default settings: the next power of two; ``ATen/core/CachingHostAllocator.h``)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def pinned_rounding(nbytes: list[int]) -> float:
+    """Pinned bytes per byte asked when each of ``nbytes`` is asked for on its own."""
+    return sum(pinned_block(n) for n in nbytes) / sum(nbytes)
+
+
+def checkpoint_staging_bytes(
+    hf: HFModelConfig, layouts: dict[Head, ModelLayout], work: Workload
+) -> int:
+    """Pinned bytes megatron's save stages per GPU (estimated, module doc): each model's
+    largest per-rank share (:func:`checkpoint_bytes`), rounded as its stage's tensors round
+    (fp32 state has the weights' shapes at twice the bytes: the same factor); both models at
+    once when async, else the larger (a sync save reuses the cached blocks part after part)."""
+    shares = []
+    for head, layout in layouts.items():
+        per_stage = []
+        for pp_rank in range(layout.pp):
+            tensors = shard_tensor_numels(hf, layout, head=head, pp_rank=pp_rank)
+            share = checkpoint_bytes(hf, layout, work, head=head, pp_rank=pp_rank)
+            per_stage.append(share * pinned_rounding([2 * n for n in tensors]))
+        shares.append(max(per_stage))
+    return math.ceil(sum(shares) if work.checkpoint_async else max(shares))
+
+
+def pinned_parts(
+    hf: HFModelConfig,
+    policy: ModelLayout,
+    critic: ModelLayout | None,
+    work: Workload,
+    models: list[ModelMemory],
+) -> dict[str, PinnedPart]:
+    """Pinned host memory one GPU's rank holds, by part (module doc); ``models`` are the
+    per-GPU states of the policy and the critic."""
+    parts = {}
+    if work.offload == "rollout":
+        parts["training_state"] = PinnedPart(
+            nbytes=sum(m.params + m.optimizer for m in models), label="exact",
+            what="offloaded params + Adam state while vLLM is awake (grads dropped; one arena "
+            "of exactly this size)",
+        )  # fmt: skip
+    layouts: dict[Head, ModelLayout] = {"lm": policy}
+    if critic is not None:
+        layouts["value"] = critic
+    staged = "both models: async" if work.checkpoint_async else "the larger model: sync"
+    parts["checkpoint_staging"] = PinnedPart(
+        nbytes=checkpoint_staging_bytes(hf, layouts, work), label="estimated",
+        what=f"megatron's save staging ({staged}), power-of-two blocks kept cached by torch",
+    )  # fmt: skip
+    if work.sleep_level == 1:
+        vllm_layout = ModelLayout(tp=work.rollout_tp)
+        tensors = shard_tensor_numels(hf, vllm_layout, head="lm", pp_rank=0)
+        parts["vllm_weights"] = PinnedPart(
+            nbytes=sum(pinned_block(2 * n) for n in tensors), label="estimated",
+            what="vLLM level-1 sleep: its bf16 weight shard, each tensor a power-of-two block",
+        )  # fmt: skip
+    if not work.enforce_eager:
+        parts["vllm_cuda_graphs"] = PinnedPart(
+            nbytes=math.ceil(VLLM_CUDA_GRAPHS * PINNED_ROUNDING_UNKNOWN), label="estimated",
+            what="vLLM sleep: its CUDA-graph pool (sleep_mode_offload_cudagraph)",
+        )  # fmt: skip
+    parts["vllm_runtime"] = PinnedPart(
+        nbytes=math.ceil(VLLM_RUNTIME_POOL * PINNED_ROUNDING_UNKNOWN), label="estimated",
+        what="vLLM sleep: its runtime pool (input batch, block tables)",
+    )  # fmt: skip
+    return parts
+
+
 def reserve_parts(
     policy: ModelLayout, critic: ModelLayout | None, work: Workload
 ) -> dict[str, int]:
@@ -472,7 +595,7 @@ def plan(
         empty = ModelMemory(params=0, grads=0, optimizer=0, activations=0)
         return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, policy_memory=empty,
                     critic_memory=None, phases={}, vllm_weights=0, kv_cache=0,
-                    kv_bytes_per_token=1, problems=problems, reserve={})  # fmt: skip
+                    kv_bytes_per_token=1, problems=problems, reserve={}, pinned={})  # fmt: skip
     pol = model_memory(hf, policy, work, head="lm")
     cri = model_memory(hf, critic, work, head="value") if critic is not None else None
     models = [m for m in (pol, cri) if m is not None]
@@ -489,9 +612,12 @@ def plan(
     graphs = 0 if work.enforce_eager else VLLM_CUDA_GRAPHS
     kv_cache = vllm_budget - vllm_weights - VLLM_OVERHEAD - graphs
     largest_tensor = hf.padded_vocab_size(1) * hf.hidden_size * 2  # gathered embedding, bf16
+    # The weights' wake brings back every pool vLLM's sleep took that is not deferred: the
+    # runtime pool and the CUDA graphs (vLLM 0.32 ``CuMemAllocator.wake_up``).
+    vllm_at_sync = vllm_weights + VLLM_RUNTIME_POOL + graphs
     phases = {
         "rollout": during_rollout + vllm_budget,
-        "weight_sync": during_sync + vllm_weights + SYNC_BUCKET + largest_tensor,
+        "weight_sync": during_sync + vllm_at_sync + SYNC_BUCKET + largest_tensor,
         "policy_update": resident + pol.activations,
     }
     if cri is not None:
@@ -515,7 +641,8 @@ def plan(
     return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, policy_memory=pol,
                 critic_memory=cri, phases=phases, vllm_weights=vllm_weights,
                 kv_cache=max(kv_cache, 0), kv_bytes_per_token=kv_per_token,
-                problems=problems, reserve=reserve)  # fmt: skip
+                problems=problems, reserve=reserve,
+                pinned=pinned_parts(hf, policy, critic, work, models))  # fmt: skip
 
 
 def max_vllm_utilization(
@@ -603,6 +730,11 @@ def plan_summary(result: Plan) -> dict[str, object]:
                 round(result.rollout_seconds) if math.isfinite(result.rollout_seconds) else None
             ),
             host_gib_per_gpu=round(result.host_bytes / GIB, 2),
+            host_gib_per_node=round(result.host_bytes_per_node / GIB, 1),
+            pinned_gib_per_gpu={
+                name: {"gib": round(part.nbytes / GIB, 2), "label": part.label}
+                for name, part in result.pinned.items()
+            },
         )
     out["problems"] = result.problems
     return out
@@ -657,8 +789,12 @@ def format_plan(result: Plan, title: str) -> str:
             f"{DECODE_EFFICIENCY:.0%} of {result.gpu.hbm_bytes_per_s / 1e12:.2f} TB/s]"
         )
         lines.append(f"offload: {work.offload} ({OFFLOADS[work.offload]})")
-        if result.host_bytes:
-            lines.append(f"  pinned host memory {gib(result.host_bytes).strip()} per GPU [exact]")
+        lines.append(
+            f"pinned host memory {gib(result.host_bytes).strip()} per GPU, "
+            f"{gib(result.host_bytes_per_node).strip()} per {work.gpus_per_node}-GPU node:"
+        )
+        for name, part in result.pinned.items():
+            lines.append(f"  {name:22}{gib(part.nbytes)} [{part.label}] {part.what}")
         parts = ", ".join(f"{name} {b / GIB:.2f}" for name, b in result.reserve.items())
         lines.append(f"reserve {gib(sum(result.reserve.values())).strip()} per GPU "
                      f"[estimated: {parts} GiB]")  # fmt: skip

@@ -390,6 +390,8 @@ def planner_workload(config: TrainConfig, world_size: int) -> mp.Workload:
         gpu_memory_utilization=config.rollout.gpu_memory_utilization,
         offload="rollout" if config.rollout.offload_training_state else "none",
         enforce_eager=config.rollout.enforce_eager,
+        sleep_level=config.rollout.sleep_level,
+        checkpoint_async=config.trainer.checkpoint_async,
         samples_per_step=config.algorithm.prompts_per_step * config.algorithm.samples_per_prompt,
     )
 
