@@ -305,8 +305,8 @@ class CheckpointSaver:
         _save(_rng_state(), tmp / "rng" / _rank_file(rank))
         requests = []
         for name, state in models.items():
-            for opt in _sub_optimizers(state.optimizer):  # e.g. a policy frozen so far
-                _give_fresh_state_a_step(opt)
+            for opt in sub_optimizers(state.optimizer):  # e.g. a policy frozen so far
+                fill_fresh_optimizer_state(opt)
             model_sd = _model_sharded_state(state)
             # Built before the model's save, which applies its factories in place: the
             # optimizer finds its parameters in the model's sharded state by tensor identity.
@@ -600,8 +600,8 @@ def _dist_load(
 
 
 def _load_model(state: TrainableState, directory: Path, fmt: str) -> None:
-    for opt in _sub_optimizers(state.optimizer):
-        _give_fresh_state_a_step(opt)
+    for opt in sub_optimizers(state.optimizer):
+        fill_fresh_optimizer_state(opt)
     model_sd = _model_sharded_state(state)
     # is_loading=True: without it the loaded state holds no Adam moments (AReaL #1468). Built
     # before the model's load, for the same tensor-identity reason as in the save.
@@ -614,7 +614,7 @@ def _load_model(state: TrainableState, directory: Path, fmt: str) -> None:
     for i, chunk in enumerate(state.chunks):
         unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
     loaded = _dist_load(optimizer_sd, directory / OPTIMIZER, state.dp_cp_group)
-    subs = _sub_optimizers(state.optimizer)
+    subs = sub_optimizers(state.optimizer)
     if len(subs) > 1:  # ChainedOptimizer's sharded state: one entry per sub-optimizer
         parts = [loaded[key] for key in sorted(loaded)]
     else:
@@ -640,6 +640,12 @@ def _load_optimizer(opt: MegatronOptimizer, loaded: dict[str, Any]) -> None:
     rank's stale pre-load value. So: the parameter-free part first, then the parameter state
     with ``step`` set aside, then one ``step`` per parameter."""
     if not isinstance(opt, DistributedOptimizer):
+        # FP32Optimizer's state is torch's; the mixed-precision ones nest it under "optimizer".
+        inner = loaded["optimizer"]["state"] if "optimizer" in loaded else loaded["state"]
+        if _uses_torch_adam(opt) and inner and "common_step" not in inner:
+            # megatron saves the common step only when it is nonzero (a state saved before the
+            # first update), and torch's Adam refuses moments without a step.
+            inner["common_step"] = torch.zeros((), dtype=torch.float32, device=HOST)
         opt.load_state_dict(loaded)  # one deep copy of the common step per parameter
         return
     param_state = loaded.pop("param_state")
@@ -663,23 +669,31 @@ def _load_optimizer(opt: MegatronOptimizer, loaded: dict[str, Any]) -> None:
             group.pop("step", None)
 
 
-def _give_fresh_state_a_step(opt: MegatronOptimizer) -> None:
-    """The distributed optimizer's ``state_dict`` (which its sharded state starts from, saving
-    and loading) reads torch Adam's per-parameter ``step``, which an optimizer that has not
-    stepped yet lacks: it gets megatron's initial moments and a zero step, one per parameter,
-    which is what torch's Adam would create at its first step. (Transformer Engine's and
-    Apex's Adam keep the step in the parameter groups.)"""
-    if not isinstance(opt, DistributedOptimizer) or not isinstance(
-        opt.optimizer, torch.optim.Adam | torch.optim.AdamW
-    ):
-        return
+def fill_fresh_optimizer_state(opt: MegatronOptimizer) -> None:
+    """Give every parameter that has no optimizer state yet the state a first step would make:
+    megatron's ``init_state_fn`` (Adam's zero moments, or Transformer Engine's own
+    ``initialize_state`` with the precision-aware optimizer) and, for torch's Adam, a zero
+    per-parameter ``step``.
+
+    An optimizer that has not stepped holds no state: a policy frozen through critic
+    pretraining, and any model under TE's ``FusedAdam``, which makes its state lazily at the
+    first ``step()``. A save would then write no moments (the distributed optimizer writes only
+    ``param``) while every load lays them out and asks for them, so such a checkpoint could not
+    be loaded. The zero state is what the first step would have made: training is unchanged.
+    TE's and Apex's Adam keep their step count in the parameter groups, not per parameter."""
     if opt.init_state_fn is not None:
         opt.init_state_fn(opt.optimizer, opt.config)
+    if not _uses_torch_adam(opt):
+        return
     for group in opt.optimizer.param_groups:
         for param in group["params"]:
             state = opt.optimizer.state[param]
-            if "step" not in state:
+            if "step" not in state:  # torch's Adam makes a host float32 zero at its first step
                 state["step"] = torch.zeros((), dtype=torch.float32, device=HOST)
+
+
+def _uses_torch_adam(opt: MegatronOptimizer) -> bool:
+    return isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW)
 
 
 def _nested_dicts_with(tree: Any, key: str) -> list[dict[str, Any]]:
@@ -730,7 +744,8 @@ def _cpu_copy(tree: Any) -> Any:
     return tree
 
 
-def _sub_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+def sub_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    """The optimizers a megatron optimizer is made of (a ``ChainedOptimizer``'s, or itself)."""
     if isinstance(optimizer, ChainedOptimizer):
         return list(optimizer.chained_optimizers)
     return [optimizer]

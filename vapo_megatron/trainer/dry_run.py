@@ -202,10 +202,8 @@ def make_adam_state(engine) -> None:
     step that the trainer's save gives a fresh optimizer."""
     from vapo_megatron.trainer import checkpointing as ckpt
 
-    for opt in ckpt._sub_optimizers(engine.optimizer):
-        if opt.init_state_fn is not None:
-            opt.init_state_fn(opt.optimizer, opt.config)
-        ckpt._give_fresh_state_a_step(opt)
+    for opt in ckpt.sub_optimizers(engine.optimizer):
+        ckpt.fill_fresh_optimizer_state(opt)
 
 
 def _checkpoint_shards(engine) -> tuple[dict, dict]:
@@ -283,14 +281,14 @@ def _ranks(group: dist.ProcessGroup | None) -> list[int]:
 
 def engine_bytes(engine) -> dict[str, int]:
     """params, param_buffer, grads, optimizer: bytes of the engine's built tensors."""
-    from vapo_megatron.trainer.checkpointing import _sub_optimizers
+    from vapo_megatron.trainer.checkpointing import sub_optimizers
 
     params = [p for chunk in engine.chunks for p in chunk.parameters()]
     model_ids = {id(p) for p in params}
     buffers = [b for chunk in engine.chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     optimizer = 0
-    for opt in _sub_optimizers(engine.optimizer):
+    for opt in sub_optimizers(engine.optimizer):
         for group in opt.optimizer.param_groups:
             for p in group["params"]:
                 # Main copies: a view (the fp32 distributed optimizer's shard of the model's
