@@ -89,12 +89,13 @@ vapo_defaults() {
 
 # NCCL / InfiniBand / CUDA settings of a Megatron + vLLM job; each can be overridden by
 # exporting it before sbatch (docs/cluster.md). Cluster-specific ones (NCCL_IB_HCA,
-# NCCL_SOCKET_IFNAME, NCCL_IB_GID_INDEX) are only passed on when set.
+# NCCL_SOCKET_IFNAME, NCCL_IB_GID_INDEX, GLOO_SOCKET_IFNAME) are only passed on when set.
 VAPO_ENV_VARS=(
     CUDA_DEVICE_MAX_CONNECTIONS NCCL_IB_TIMEOUT NCCL_IB_RETRY_CNT NCCL_DEBUG
     TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_NCCL_AVOID_RECORD_STREAMS NCCL_NVLS_ENABLE
     OMP_NUM_THREADS TOKENIZERS_PARALLELISM HF_HUB_OFFLINE VLLM_CONFIGURE_LOGGING
     MASTER_ADDR MASTER_PORT GPUS_PER_NODE NCCL_IB_HCA NCCL_SOCKET_IFNAME NCCL_IB_GID_INDEX
+    GLOO_SOCKET_IFNAME
 )
 
 vapo_export_env() {
@@ -115,6 +116,10 @@ vapo_export_env() {
     [[ -n "${NCCL_IB_HCA:-}" ]] && export NCCL_IB_HCA
     [[ -n "${NCCL_SOCKET_IFNAME:-}" ]] && export NCCL_SOCKET_IFNAME
     [[ -n "${NCCL_IB_GID_INDEX:-}" ]] && export NCCL_IB_GID_INDEX # RoCE fabrics (often 3)
+    # gloo picks the interface its host name resolves to unless told: the host group and
+    # vLLM's gloo twins of its groups cross nodes over it (a comma-separated list of names;
+    # not NCCL's ^/= prefix syntax, so it is not derived from NCCL_SOCKET_IFNAME).
+    [[ -n "${GLOO_SOCKET_IFNAME:-}" ]] && export GLOO_SOCKET_IFNAME
     if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
         MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
     else

@@ -73,12 +73,19 @@ def inputs(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_dry_run_prints_and_validates(script: str, inputs: dict[str, str]) -> None:
     world, preset = SCRIPTS[script]
-    done = subprocess.run(["bash", str(SLURM / script)], env=clean_env(DRY_RUN="1", **inputs),
+    env = clean_env(DRY_RUN="1", **inputs)
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    if script == "vapo_qwen32b.sh":  # multi-node: the host group's gloo crosses nodes
+        env["GLOO_SOCKET_IFNAME"] = "ib0"
+    done = subprocess.run(["bash", str(SLURM / script)], env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert f"= {world} ranks" in out
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in out and "NCCL_IB_TIMEOUT=" in out
+    # Passed on (and listed) when set, like NCCL_SOCKET_IFNAME; absent otherwise.
+    assert ("GLOO_SOCKET_IFNAME=ib0\n" in out) == (script == "vapo_qwen32b.sh")
+    assert "GLOO_SOCKET_IFNAME=\n" not in out
     assert "srun --nodes=" in out and "--ntasks-per-node=8" in out
     assert "--cpus-per-task=12" in out  # srun does not inherit it from sbatch (Slurm >= 22.05)
     assert "--container-image=" in out and "-m vapo_megatron.train" in out
