@@ -214,3 +214,69 @@ def test_cpu_engine_calls_nothing_but_checks_the_order():
         engine.generate([[1, 2]], max_new_tokens=1)
     with pytest.raises(EngineStateError, match="sleeping engine"):
         engine.update_weights([])
+
+
+def built_engine_kwargs(monkeypatch, *, is_cpu: bool) -> dict:
+    """The keyword arguments RolloutEngine passes to vLLM's LLM, on a GPU or a CPU platform
+    (vLLM's LLM and platform stood in for; nothing is started)."""
+    pytest.importorskip("vllm")
+    import vllm
+    import vllm.platforms
+
+    from vapo_megatron.rollout import engine as engine_module
+
+    seen = {}
+
+    class LLM:
+        def __init__(self, model, **kwargs):
+            seen.update(kwargs)
+
+        def collective_rpc(self, *args, **kwargs):
+            return []
+
+    import vapo_megatron.rollout.worker_extension  # noqa: F401 (imported on the real platform)
+
+    monkeypatch.setattr(vllm, "LLM", LLM)
+    monkeypatch.setattr(vllm.platforms.current_platform, "is_cpu", lambda: is_cpu)
+    monkeypatch.setattr(engine_module.dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engine_module.RolloutEngine(engine_module.RolloutConfig(model_path="unused"))
+    return seen
+
+
+def test_gpu_engine_offloads_its_cuda_graph_pool_while_asleep(monkeypatch):
+    """vLLM 0.32 keeps the CUDA-graph pool on the GPU through sleep unless
+    sleep_mode_offload_cudagraph (default False) is passed with sleep mode; every argument the
+    engine passes is one vLLM 0.32 takes."""
+    import dataclasses
+    import inspect
+
+    gpu = built_engine_kwargs(monkeypatch, is_cpu=False)
+    assert gpu["enable_sleep_mode"] and gpu["sleep_mode_offload_cudagraph"]
+    cpu = built_engine_kwargs(monkeypatch, is_cpu=True)
+    assert not cpu["enable_sleep_mode"] and "sleep_mode_offload_cudagraph" not in cpu
+    monkeypatch.undo()  # the real LLM again
+    from vllm import LLM, EngineArgs
+
+    taken = {f.name for f in dataclasses.fields(EngineArgs)}
+    taken |= set(inspect.signature(LLM.__init__).parameters)
+    assert set(gpu) <= taken, set(gpu) - taken
+    default = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    assert default["sleep_mode_offload_cudagraph"] is False
+
+
+def test_shutdown_frees_the_offload_arena_once_the_state_is_back():
+    log = []
+    engine = fake_engine(is_cpu=False, level=2, log=log)
+    core = SimpleNamespace(shutdown=lambda: log.append(("llm", "shutdown", (), {})))
+    engine.llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core))
+    engine.training_offload.offloaded = False
+    engine.shutdown()
+    assert [(who, method) for who, method, *_ in log] == [
+        ("llm", "shutdown"),
+        ("offload", "release"),
+    ]
+    log.clear()
+    engine.training_offload.offloaded = True  # a failure mid-rollout: the state is on the host
+    engine.shutdown()
+    assert [(who, method) for who, method, *_ in log] == [("llm", "shutdown")]

@@ -180,6 +180,21 @@ def _group_timeouts(timeout: timedelta | None) -> dict:
     return {"distributed_timeout_seconds": seconds, "cpu_distributed_timeout_seconds": seconds}
 
 
+def _sleep_mode(is_cpu: bool) -> dict:
+    """On a GPU: vLLM's sleep mode, with its CUDA-graph pool in it. vLLM 0.32 leaves the graph
+    pool on the device through every sleep unless ``sleep_mode_offload_cudagraph`` is set
+    (``ModelConfig``, default False): the graphs would then sit beside every update. With it,
+    graphs are captured into the cuMem allocator's "cudagraph" pool, copied to pinned host
+    memory at each sleep (any level) and mapped back at the same addresses with the weights'
+    wake, so the captured graphs stay valid (``device_allocator/cumem.py``,
+    ``sleep_mode_backend.py``; only with CUDA graphs, i.e. ``enforce_eager`` off). vLLM then
+    sets ``NCCL_GRAPH_REGISTER=0`` and its custom all-reduce copies graph buffers instead of
+    registering them. CPU: vLLM has no sleep mode."""
+    if is_cpu:
+        return {"enable_sleep_mode": False}
+    return {"enable_sleep_mode": True, "sleep_mode_offload_cudagraph": True}
+
+
 def _cpu_scheduling(config: RolloutConfig) -> dict:
     """vLLM 0.32's CPU worker fails seeded sampling when a prompt's prefill is split over
     scheduler steps ("CPU Generator does not use offset"): a generate call whose prompts hold
@@ -300,7 +315,7 @@ class RolloutEngine:
             enforce_eager=config.enforce_eager,
             kv_cache_memory_bytes=kv_cache_bytes,
             gpu_memory_utilization=config.gpu_memory_utilization,
-            enable_sleep_mode=not self.is_cpu,
+            **_sleep_mode(self.is_cpu),
             logprobs_mode=config.logprobs_mode,
             worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config={"backend": "vapo_inline"},
@@ -527,9 +542,14 @@ class RolloutEngine:
         vLLM's parallel state is global to the process, and its teardown destroys
         torch.distributed's default group, the trainer's own when one existed before the
         engine (vLLM adopts it as its world, on every executor): shut down last, on every rank
-        together, and only one engine per process at a time.
+        together, and only one engine per process at a time. The training offload's host
+        arena is freed too when the training state is back on the device (it is whenever the
+        engine sleeps); after a failure mid-rollout it is left to the ending process, since
+        releasing it would lose the state and raising here would hide the failure.
         """
         self.llm.llm_engine.engine_core.shutdown()
+        if self.training_offload is not None and not self.training_offload.offloaded:
+            self.training_offload.release()
 
 
 def unsaved_module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
