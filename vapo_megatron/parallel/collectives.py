@@ -32,10 +32,17 @@ def make_host_group(timeout: timedelta | None = None) -> dist.ProcessGroup:
     return dist.new_group(backend="gloo", **kwargs)
 
 
+def group_backend(group: dist.ProcessGroup | None) -> str:
+    """``group``'s backend as every check here reads it (``dist.get_backend``). The one place
+    that reads it, so a CPU twin can report the default group as NCCL while it stays gloo
+    (``tools/gpu_checks/twin.py``)."""
+    return dist.get_backend(group)
+
+
 def group_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a tensor must live to take part in a collective of ``group``: the current CUDA
     device for NCCL, the host for gloo."""
-    if dist.get_backend(group) == "nccl":
+    if group_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -46,14 +53,14 @@ def check_device(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: st
     have = tensor.device
     if have.type != want.type or (want.index is not None and have.index != want.index):
         raise ValueError(
-            f"{what}: a tensor on {have} went to a collective of a {dist.get_backend(group)} "
+            f"{what}: a tensor on {have} went to a collective of a {group_backend(group)} "
             f"group, which needs {want}. Move it with .to({want}) (model and world groups), "
             "or use the host group for host-side bookkeeping"
         )
 
 
 def _require_gloo(group: dist.ProcessGroup | None, what: str) -> None:
-    backend = dist.get_backend(group)
+    backend = group_backend(group)
     if backend != "gloo":
         raise ValueError(
             f"{what}: object collectives run only on a gloo group (this one is {backend}); on "

@@ -107,9 +107,11 @@ def _policy_hf_tensors(model_path: str) -> dict[str, torch.Tensor]:
     return dict(source.read(source.names))
 
 
-def _critic_from_policy(
+def critic_from_policy(
     policy: dict[str, torch.Tensor], hf: HFModelConfig, std: float, seed: int
 ) -> dict[str, torch.Tensor]:
+    """A critic's HF tensors from a policy's: its trunk, no lm_head, and a new value head
+    (``score.weight`` [1, hidden], normal with ``std``, seeded)."""
     tensors = {k: v for k, v in policy.items() if k != "lm_head.weight"}
     generator = torch.Generator().manual_seed(seed)
     head = torch.randn(1, hf.hidden_size, generator=generator, device="cpu") * std
@@ -236,7 +238,7 @@ class Session:
         if policy_tensors is None:
             policy_tensors = _policy_hf_tensors(config.model.path)
         self.critic.load_hf(
-            _critic_from_policy(
+            critic_from_policy(
                 policy_tensors, self.hf, config.critic.value_head_init_std, config.trainer.seed
             )
         )

@@ -11,14 +11,16 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
 from vapo_megatron.trainer import advantage_phase as adv
-from vapo_megatron.trainer.batching import build_samples, dp_share, micro_batches
+from vapo_megatron.trainer.batching import Ragged, build_samples, dp_share, micro_batches
 from vapo_megatron.trainer.loss_fns import (
     logprob_scoring_fn,
     policy_loss_fn,
@@ -38,6 +40,7 @@ from vapo_megatron.trainer.scoring import score_flat
 from vapo_megatron.trainer.session import Session
 from vapo_megatron.trainer.shard_path import (
     ShardInputs,
+    StepShare,
     TokenFields,
     TokenSums,
     choose_path,
@@ -205,6 +208,105 @@ def _mean_metrics(parts: Sequence[dict[str, float]], prefix: str) -> dict[str, f
     return out
 
 
+@dataclass
+class UpdateData:
+    """What the mini-batch updates (step 7) read of the step, on every rank."""
+
+    prompts: Ragged
+    responses: Ragged
+    fields: TokenFields
+    """Per-token old_logprobs, advantages, returns and old_values (the scoring's outputs)."""
+    positive: list[bool]
+    """[S] correct responses (the positive-example LM loss)."""
+    trainable_policy: list[bool]
+    """[S] samples the policy trains on (False: filtered as overlong)."""
+    token_counts: list[int]
+    """[S] prompt + response tokens of each sample (the flat path's data-parallel split)."""
+    share: StepShare | None
+    """The shard path's owners of the step's samples; None on the flat path."""
+
+    def critic_fields(self, i: int, flat: slice) -> dict[str, torch.Tensor]:
+        length = flat.stop - flat.start
+        return {name: self.fields.of(name, i, length) for name in CRITIC_FIELDS}
+
+    def policy_fields(self, i: int, flat: slice) -> dict[str, torch.Tensor]:
+        length = flat.stop - flat.start
+        return {
+            "old_logprobs": self.fields.of("old_logprobs", i, length),
+            "advantages": self.fields.of("advantages", i, length),
+            "positive": torch.full((length,), self.positive[i], dtype=torch.bool, device=HOST),
+            "seq_num_tokens": torch.full((length,), float(length), device=HOST),
+        }
+
+    def both_fields(self, i: int, flat: slice) -> dict[str, torch.Tensor]:
+        return {**self.critic_fields(i, flat), **self.policy_fields(i, flat)}
+
+    def mine(self, engine: ModelEngine, chosen: list[int]) -> list[int]:
+        """The samples of ``chosen`` that ``engine``'s data-parallel rank trains on."""
+        if self.share is not None:  # the samples this rank scored, for the whole step
+            return self.share.mine(chosen, engine.dp_rank)
+        return _dp_share(engine, chosen, self.token_counts)
+
+
+def update_minibatch(
+    data: UpdateData,
+    chosen: list[int],
+    *,
+    algo: AlgoConfig,
+    policy: ModelEngine | None,
+    critic: ModelEngine | None,
+    temperature: float,
+    token_budget: int,
+    timer: Timer | None = None,
+) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+    """One gradient step of the critic, then of the policy, on mini-batch ``chosen`` (sample
+    indices of the step); each rank trains on its share. ``policy``/``critic`` None: that
+    model takes no update (critic pretraining; no critic). Returns (critic metrics, policy
+    metrics), None for a model that took no step (the same on every rank). Collective over
+    each model's groups."""
+    critic_ids = data.mine(critic, chosen) if critic is not None else None
+    trainable = [i for i in chosen if data.trainable_policy[i]] if policy is not None else []
+    policy_ids = data.mine(policy, trainable) if trainable else None
+    prompts, responses = data.prompts, data.responses
+    offsets = responses.offsets
+    packed = None
+    if data.share is not None and critic_ids is not None and policy_ids == critic_ids:
+        # One layout, the same samples: pack once for both models.
+        samples = build_samples(
+            prompts, responses, critic_ids, offsets, data.both_fields, flat_index=False
+        )
+        packed = micro_batches(
+            samples, critic.layout, cp_rank=critic.cp_rank, token_budget=token_budget,
+            field_names=CRITIC_FIELDS + POLICY_FIELDS,
+        )  # fmt: skip
+
+    def update(engine, ids, fields_fn, loss, names) -> dict[str, float]:
+        """On the micro-batches ``packed`` for both models when given, else packed here."""
+        if packed is not None:
+            return train_on_micro_batches(engine, packed, len(ids), loss, field_names=names)
+        samples = build_samples(prompts, responses, ids, offsets, fields_fn, flat_index=False)
+        return train_on_share(engine, samples, loss, field_names=names, token_budget=token_budget)
+
+    critic_out = policy_out = None
+    if critic_ids is not None:
+        critic_out = update(
+            critic, critic_ids, data.critic_fields, lambda norm: value_loss_fn(algo, norm),
+            CRITIC_FIELDS,
+        )  # fmt: skip
+        if timer is not None:
+            timer.lap("update_critic")
+    if policy_ids is not None:  # None: critic pretraining, or every sample overlong-filtered
+        vocab = policy.vocab_slice
+        policy_out = update(
+            policy, policy_ids, data.policy_fields,
+            lambda norm: policy_loss_fn(algo, norm, vocab, temperature=temperature),
+            POLICY_FIELDS,
+        )  # fmt: skip
+        if timer is not None:
+            timer.lap("update_policy")
+    return critic_out, policy_out
+
+
 def run_step(
     session: Session, step: int, *, pretrain: bool, pretrain_index: int = 0
 ) -> dict[str, float]:
@@ -250,7 +352,6 @@ def run_step(
     # critic targets: kept on each DP rank's samples (GAE on the critic's CP shards), or
     # gathered to every rank where the layouts differ (trainer/shard_path.py).
     prompts, responses = trajectories.prompts, trajectories.responses
-    offsets = responses.offsets
     budget = trainer.micro_batch_tokens
     uses_critic = algo.uses_critic and session.critic is not None
     scorers = [session.critic] if pretrain else [session.policy]
@@ -300,92 +401,29 @@ def run_step(
         )  # fmt: skip
 
     # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
-    positive = (trajectories.acc > 0).tolist()
-    trainable_policy = (
-        (~trajectories.truncated).tolist()
-        if cfg.reward.overlong_filter
-        else [True] * len(trajectories)
-    )
-
-    def critic_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
-        length = flat.stop - flat.start
-        return {name: fields.of(name, i, length) for name in CRITIC_FIELDS}
-
-    def policy_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
-        length = flat.stop - flat.start
-        return {
-            "old_logprobs": fields.of("old_logprobs", i, length),
-            "advantages": fields.of("advantages", i, length),
-            "positive": torch.full((length,), positive[i], dtype=torch.bool, device=HOST),
-            "seq_num_tokens": torch.full((length,), float(length), device=HOST),
-        }
-
-    def mine(engine: ModelEngine, chosen: list[int]) -> list[int]:
-        if share is not None:  # the samples this rank scored, for the whole step
-            return share.mine(chosen, engine.dp_rank)
-        return _dp_share(engine, chosen, token_counts)
-
-    vocab = session.policy.vocab_slice
-
-    def critic_loss(norm):
-        return value_loss_fn(algo, norm)
-
-    def policy_loss(norm):
-        return policy_loss_fn(algo, norm, vocab, temperature=cfg.rollout.temperature)
-
-    def both_fields(i: int, flat: slice) -> dict[str, torch.Tensor]:
-        return {**critic_fields(i, flat), **policy_fields(i, flat)}
-
-    def update(engine, ids, packed, fields_fn, loss, names) -> dict[str, float]:
-        """One gradient step of ``engine`` on its samples ``ids`` of the mini-batch: on the
-        micro-batches ``packed`` for both models when given, else packed here."""
-        if packed is not None:
-            return train_on_micro_batches(engine, packed, len(ids), loss, field_names=names)
-        samples = build_samples(prompts, responses, ids, offsets, fields_fn, flat_index=False)
-        return train_on_share(engine, samples, loss, field_names=names, token_budget=budget)
-
+    data = UpdateData(
+        prompts=prompts, responses=responses, fields=fields,
+        positive=(trajectories.acc > 0).tolist(),
+        trainable_policy=(
+            (~trajectories.truncated).tolist()
+            if cfg.reward.overlong_filter
+            else [True] * len(trajectories)
+        ),
+        token_counts=token_counts, share=share,
+    )  # fmt: skip
     critic_parts, policy_parts = [], []
     for epoch in range(trainer.ppo_epochs):
         for part in parts_of(epoch):
-            chosen = part.tolist()
-            critic_ids = mine(session.critic, chosen) if uses_critic else None
-            trainable = [] if pretrain else [i for i in chosen if trainable_policy[i]]
-            policy_ids = mine(session.policy, trainable) if trainable else None
-            packed = None
-            if share is not None and critic_ids is not None and policy_ids == critic_ids:
-                # One layout, the same samples: pack once for both models.
-                samples = build_samples(
-                    prompts, responses, critic_ids, offsets, both_fields, flat_index=False
-                )
-                packed = micro_batches(
-                    samples, session.critic.layout, cp_rank=session.critic.cp_rank,
-                    token_budget=budget, field_names=CRITIC_FIELDS + POLICY_FIELDS,
-                )  # fmt: skip
-            if critic_ids is not None:
-                critic_parts.append(
-                    update(
-                        session.critic,
-                        critic_ids,
-                        packed,
-                        critic_fields,
-                        critic_loss,
-                        CRITIC_FIELDS,
-                    )  # fmt: skip
-                )
-                timer.lap("update_critic")
-            if policy_ids is None:  # critic pretraining, or every sample overlong-filtered:
-                continue  # no policy update (the same on all ranks)
-            policy_parts.append(
-                update(
-                    session.policy,
-                    policy_ids,
-                    packed,
-                    policy_fields,
-                    policy_loss,
-                    POLICY_FIELDS,
-                )  # fmt: skip
-            )
-            timer.lap("update_policy")
+            critic_out, policy_out = update_minibatch(
+                data, part.tolist(), algo=algo,
+                policy=None if pretrain else session.policy,
+                critic=session.critic if uses_critic else None,
+                temperature=cfg.rollout.temperature, token_budget=budget, timer=timer,
+            )  # fmt: skip
+            if critic_out is not None:
+                critic_parts.append(critic_out)
+            if policy_out is not None:
+                policy_parts.append(policy_out)
     if policy_parts:
         session.rollout_synced = False
     metrics.update(_mean_metrics(critic_parts, "critic"))
