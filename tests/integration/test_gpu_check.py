@@ -3,6 +3,8 @@
 The script is what runs on the first GPU (docs/benchmarks.md, "GPU check"); here ``--cpu``
 runs the same parts on the same trainer code, so the check itself is known to work before a
 GPU sees it. Transformer Engine's part is the only one allowed to skip (it needs CUDA).
+With ``--cpu`` the project's collectives read the default group as NCCL (the twin), so a part
+that sends objects over it fails here as it would on the GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ PARTS = [
     "checkpoint",
     "checkpoint_weights",
     "te_spec",
+    "shard_engines",
+    "shard_steps",
+    "offload",
 ]
 
 
@@ -65,3 +70,17 @@ def test_gpu_check_cpu_twin():
     assert parts["checkpoint_weights"]["tensors_equal"] > 0, log
     for name in ("update_critic", "update_policy"):
         assert parts[name]["grad_norm"] > 0 and parts[name]["max_weight_change"] > 0, log
+    read = {"default": "nccl", "host": "gloo", "model": "nccl"}
+    assert parts["distributed"]["collectives_read"] == read, log
+    # The 32B recipe's path: distributed optimizer, recompute, three shard-path steps.
+    assert parts["shard_engines"]["policy_optimizer"] == ["DistributedOptimizer(AdamW)"], log
+    steps = parts["shard_steps"]
+    assert len(steps["seconds"]) == 3 and len(steps["value_loss"]) == 3, log
+    assert steps["layer_calls_in_update"][0] == 2 * steps["layer_calls_in_update"][1] > 0, log
+    assert steps["scoring_vs_plain"] <= steps["scoring_tolerance"], log
+    assert steps["update_vs_plain_rel"] <= 1e-4, log
+    assert steps["logprob_gap"][0] < steps["logprob_gap"][1] < steps["logprob_gap"][2], log
+    assert min(steps["policy_change"]) > 0 and min(steps["critic_change"]) > 0, log
+    offload = parts["offload"]
+    assert offload["state_mb"] > 0 and offload["left_on_device_mb"] == 0, log
+    assert offload["copied_mb"] >= offload["state_mb"] and offload["tensors_equal"] > 0, log
