@@ -141,7 +141,7 @@ class RolloutSettings:
     sleep_level: Literal[1, 2] = 2
     """GPU: engine sleep during training. 1: weights to a pinned host copy, KV cache freed; 2: both freed (each step re-syncs anyway; the engine restores what the sync does not). CPU: order checks only."""
     offload_training_state: bool = False
-    """Both models' parameters, grads and optimizer state off the device while vLLM starts and while it is awake (host buffers; bit-identical back). On CPU too (moved to a second host buffer)."""
+    """Both models' parameters and optimizer state off the device while vLLM starts and while it is awake (one host arena, pinned on a GPU; bit-identical back), their grads dropped (back as zeros: every update zeroes them). On CPU too (an unpinned arena)."""
     logprob_gap_warn: float = 0.05
     """Warn when mean |exp(logp_vllm - logp_megatron) - 1| exceeds this (a stale or broken sync); exact at top_p = 1, top_p < 1 adds the nucleus renormalisation."""
 
