@@ -49,30 +49,34 @@ def offload(ctx: Context, numbers: dict) -> None:
         allocated_before = torch.cuda.memory_allocated(ctx.device)
     round_trip = TrainingOffload(ctx.shard_policy, ctx.shard_critic)
     start = time.perf_counter()
-    round_trip.offload_for_weights()
-    round_trip.offload_policy_params()
-    numbers["offload_s"] = time.perf_counter() - start
-    left = resident_bytes(list(engines.values()), ctx.device)
-    numbers.update(
-        state_mb=state / MB, left_on_device_mb=left / MB,
-        copied_mb=round_trip.offloaded_bytes / MB, grads_dropped_mb=round_trip.dropped_bytes / MB,
-    )  # fmt: skip
-    if cuda:
-        free_after, _ = torch.cuda.mem_get_info(ctx.device)
-        allocated_drop = allocated_before - torch.cuda.memory_allocated(ctx.device)
+    try:
+        round_trip.offload_for_weights()
+        round_trip.offload_policy_params()
+        numbers["offload_s"] = time.perf_counter() - start
+        left = resident_bytes(list(engines.values()), ctx.device)
+        copied = round_trip.offloaded_bytes
         numbers.update(
-            pinned=bool(round_trip.arena.buffer.is_pinned()),
-            allocated_freed_mb=allocated_drop / MB, driver_freed_mb=(free_after - free_before) / MB,
+            state_mb=state / MB, left_on_device_mb=left / MB, copied_mb=copied / MB,
+            grads_dropped_mb=round_trip.dropped_bytes / MB,
         )  # fmt: skip
-    else:
-        numbers["pinned"] = numbers["driver_freed_mb"] = "n/a (--cpu: host to host)"
-    start = time.perf_counter()
-    round_trip.restore()
-    numbers["restore_s"] = time.perf_counter() - start
+        if cuda:
+            free_after, _ = torch.cuda.mem_get_info(ctx.device)
+            allocated_drop = allocated_before - torch.cuda.memory_allocated(ctx.device)
+            numbers.update(
+                pinned=bool(round_trip.arena.buffer.is_pinned()),
+                allocated_freed_mb=allocated_drop / MB,
+                driver_freed_mb=(free_after - free_before) / MB,
+            )  # fmt: skip
+        else:
+            numbers["pinned"] = numbers["driver_freed_mb"] = "n/a (--cpu: host to host)"
+    finally:  # whatever failed, the engines get their state back
+        start = time.perf_counter()
+        round_trip.restore()
+        numbers["restore_s"] = time.perf_counter() - start
     check(state > 0, "no training state found on the device: the check is vacuous")
     check(left == 0, f"{left} bytes of parameters or optimizer state stayed on the device")
     check(round_trip.offloaded_bytes == 0, "restore() left bytes counted on the host")
-    check(numbers["copied_mb"] * MB >= state, f"copied {numbers['copied_mb']} MB < the state")
+    check(copied >= state, f"{copied} bytes copied to the host, fewer than the state's {state}")
     if cuda:
         check(numbers["pinned"], "the host arena is not page-locked")
         check(allocated_drop >= state, f"the allocator freed {allocated_drop} < {state} bytes")
