@@ -43,8 +43,8 @@ def allocate_host(nbytes: int, *, pin: bool) -> torch.Tensor:
         if error:
             raise RuntimeError(
                 f"cudaHostRegister of {nbytes} bytes failed with cudaError {error}: the node may "
-                "be out of lockable memory (ulimit -l, or the host RAM the other ranks pinned); "
-                "see tools/plan.py's pinned host memory per node"
+                "be out of host memory to lock (what the other ranks pinned, a container's "
+                "memory limit); compare tools/plan.py's pinned host memory per node with it"
             )
     return buffer
 
