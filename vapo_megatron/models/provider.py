@@ -94,6 +94,22 @@ def check_layout_pair(policy: ModelLayout, critic: ModelLayout, world_size: int)
             raise ValueError(f"{name} layout: {err}") from None
 
 
+INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_method")
+"""The TransformerConfig fields that hold megatron's weight initialisers."""
+
+
+def leave_uninitialised(weight: torch.Tensor) -> None:
+    """An init method that leaves ``weight`` as allocated: no kernel, no random draw.
+
+    Not ``perform_initialization=False``: with it megatron-core 0.16.1's local layers
+    (``tensor_parallel/layers.py``) also skip ``set_tensor_model_parallel_attributes``, so a
+    TP-split weight loses ``tensor_model_parallel``/``partition_dim``/``partition_stride`` and
+    the gradient norm (``param_is_not_tensor_parallel_duplicate``) counts it on TP rank 0
+    only. With this, megatron (and Transformer Engine) call the init method as usual and set
+    every attribute; biases are still zeroed and the project's norms (ones) and value head
+    (zeros) are made as always."""
+
+
 def transformer_config(
     hf: HFModelConfig,
     layout: ModelLayout,
@@ -102,17 +118,21 @@ def transformer_config(
     use_cpu_initialization: bool | None = None,
     gpu: ResolvedGpuSettings | None = None,
     recompute: dict[str, object] | None = None,
+    initialize: bool = True,
 ) -> TransformerConfig:
     """The TransformerConfig of ``hf`` under ``layout`` (fp32 or bf16 parameters).
 
     ``gpu``: the fusions :func:`gpu_settings.resolve` chose; None leaves megatron-core's
     defaults (every fusion off), as on CPU. ``recompute``: the ``recompute_*`` fields
     (``RecomputeSettings.transformer_config_kwargs()``); None: no activation recompute.
+    ``initialize``: False when every parameter is loaded right after the build (a checkpoint
+    or HF weights): megatron's random initialisation is skipped (:func:`leave_uninitialised`).
     """
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype must be float32 or bfloat16, got {params_dtype}")
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
+    skip = {} if initialize else dict.fromkeys(INIT_METHODS, leave_uninitialised)
     return TransformerConfig(
         **hf.transformer_config_kwargs(),
         tensor_model_parallel_size=layout.tp,
@@ -130,6 +150,7 @@ def transformer_config(
         batch_p2p_comm=layout.vpp is None,
         **(gpu.transformer_config_kwargs() if gpu is not None else {}),
         **(recompute or {}),
+        **skip,
     )
 
 

@@ -17,7 +17,8 @@ during the mixed-layout test's build, scoring, training step and weight export):
 
 - Megatron's RNG tracker (``tensor_parallel.get_cuda_rng_tracker``): seeded once
   (:func:`seed_rng_tracker`) with the first model's TP rank. It only feeds dropout (0 in every
-  Qwen2 config here) and weight initialisation on GPU, which ``load_hf`` overwrites.
+  Qwen2 config here) and weight initialisation on GPU, which the trainer's engines skip
+  (``session.build_engine``: every weight is loaded next).
 - ``parallel_state``'s global memory buffer: scratch space for sequence-parallel all-gathers,
   used by one model at a time (:func:`ensure_global_memory_buffer`).
 - ``get_megatron_optimizer`` runs one ``all_gather_object`` over the world to align parameter
@@ -261,7 +262,7 @@ def seed_rng_tracker(groups: ModelGroups, seed: int = 1234) -> None:
 
     The tracker is process-global, so the first model's TP rank picks the model-parallel
     stream, as ``model_parallel_cuda_manual_seed`` would. Its streams only feed dropout (0 in
-    the Qwen2 configs) and GPU weight initialisation (overwritten by ``load_hf``). Unlike
+    the Qwen2 configs) and GPU weight initialisation (skipped where weights are loaded). Unlike
     ``model_parallel_cuda_manual_seed``, the default generator is left as it is.
     """
     from megatron.core.tensor_parallel import random

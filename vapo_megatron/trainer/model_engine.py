@@ -112,6 +112,9 @@ class ModelEngine:
     ``groups``: this model's process groups (:func:`build_model_groups`); None reads the
     layout megatron-core's ``parallel_state`` was initialised with (one layout per job).
     ``recompute``: activation recompute (``trainer.config.RecomputeSettings``); None: off.
+    ``initialize``: False skips megatron's random initialisation, for a caller that loads
+    every parameter next (``load_hf`` or a checkpoint; at 32B both models would otherwise be
+    drawn on the GPU only to be overwritten).
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class ModelEngine:
         layer_spec: ModuleSpec | None = None,
         gpu: GpuSettings | None = None,
         recompute: RecomputeSettings | None = None,
+        initialize: bool = True,
     ):
         layout.check(hf)
         apply_megatron_patches()  # GQA with fewer KV heads than TP ranks: the model's TP group
@@ -159,6 +163,7 @@ class ModelEngine:
         self.config = transformer_config(
             hf, layout, params_dtype=params_dtype, gpu=self.gpu,
             recompute=recompute.transformer_config_kwargs() if recompute is not None else None,
+            initialize=initialize,
         )  # fmt: skip
         self.config.finalize_model_grads_func = finalize_model_grads
         ddp_config = DistributedDataParallelConfig(

@@ -149,13 +149,16 @@ def build_engine(
     *,
     gpu: GpuSettings | None = None,
 ) -> ModelEngine:
-    """The recipe's policy (LM head) or critic (value head) on ``groups``, weights not loaded.
+    """The recipe's policy (LM head) or critic (value head) on ``groups``, weights neither
+    loaded nor initialised: every caller loads every parameter next (``Session``: the policy
+    from policy.load or model.path, the critic from a checkpoint, a reward model or the
+    policy's trunk with a seeded value head; the dry run builds on meta and reads no value).
     ``gpu``: None takes the recipe's (the dry run passes its own, kernels off)."""
     settings = config.policy if role == "policy" else config.critic
     return ModelEngine(
         hf, settings.layout, head="lm" if role == "policy" else "value", optim=settings.optim,
         groups=groups, params_dtype=getattr(torch, config.model.dtype),
-        gpu=config.gpu if gpu is None else gpu, recompute=settings.recompute,
+        gpu=config.gpu if gpu is None else gpu, recompute=settings.recompute, initialize=False,
     )  # fmt: skip
 
 
