@@ -1,12 +1,17 @@
 """Recipes -> TrainConfig: every shipped recipe resolves and validates at its world size;
 base inheritance, overrides, strict keys and the impossible-combination errors."""
 
+import dataclasses
+import re
+import types
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
 from vapo_megatron.algorithms.presets import PRESETS
+from vapo_megatron.trainer.config import TrainConfig
 from vapo_megatron.trainer.recipe import config_from_dict, config_to_dict, dump_config, load_recipe
 
 pytestmark = pytest.mark.unit
@@ -143,3 +148,50 @@ def test_impossible_combinations(data, world, message):
 def test_grpo_needs_no_critic_layout():
     config = config_from_dict(minimal(algorithm={"preset": "grpo"}, critic={"layout": {"tp": 3}}))
     config.check(2)  # the critic's layout is not used without a critic
+
+
+def integer_fields(cls: type, where: str = "") -> list[str]:
+    """Dotted names of every int (or int | None) field of the config tree under ``cls``."""
+    found = []
+    for name, hint in typing.get_type_hints(cls).items():
+        path = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(hint):
+            found += integer_fields(hint, path)
+        elif hint is int or (typing.get_origin(hint) is types.UnionType and int in hint.__args__):
+            found.append(path)
+    return found
+
+
+INTEGER_FIELDS = integer_fields(TrainConfig)
+
+
+def test_integer_fields_are_found():
+    assert len(INTEGER_FIELDS) >= 30, INTEGER_FIELDS
+    for name in ("trainer.checkpoint_every", "algorithm.prompts_per_step", "policy.layout.tp",
+                 "critic.optim.lr_warmup_steps", "rollout.kv_cache_bytes", "eval.max_prompts",
+                 "policy.recompute.num_layers", "model.tiny_seed"):  # fmt: skip
+        assert name in INTEGER_FIELDS
+
+
+@pytest.mark.parametrize("field", INTEGER_FIELDS)
+def test_a_negative_integer_setting_is_refused_with_its_name(field):
+    """Every integer setting is a count, size, length or seed: -1 means nothing, and
+    ``trainer.checkpoint_every=-3`` used to be accepted and keep no checkpoint."""
+    data = minimal(algorithm={"critic_init": "policy"})
+    *sections, name = field.split(".")
+    node = data
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[name] = -1
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}=-1: a negative value means"):
+        config_from_dict(data)
+
+
+def test_the_refusal_says_what_the_setting_is():
+    with pytest.raises(ValueError) as err:
+        load_recipe(RECIPES / "tiny_cpu.yaml", ["trainer.checkpoint_every=-3"])
+    assert str(err.value) == (
+        "trainer.checkpoint_every=-3: a negative value means nothing here "
+        "(trainer.checkpoint_every: Save every this many steps (0: only at the end and on "
+        "SIGTERM/SIGUSR1)); give one >= 0"
+    )

@@ -5,13 +5,19 @@ recipe) is loaded first and the recipe's keys are merged over it, mapping by map
 ablation is a few lines. ``algorithm.preset`` names an algorithm preset whose values the
 other ``algorithm`` keys override. Command-line overrides are ``dotted.key=value`` with the
 value read as YAML (``trainer.steps=10``, ``policy.layout.tp=2``, ``eval.max_prompts=null``).
-An unknown key is a ValueError naming the closest valid key; a wrong type names the field.
+An unknown key is a ValueError naming the closest valid key; a wrong type names the field;
+a negative integer names the field and what it is (every integer setting is a count, a size,
+a length or a seed).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
+import inspect
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -136,6 +142,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
         raise ValueError(
             f"missing required config keys: {', '.join(_join(where, m) for m in missing)}"
         )
+    _refuse_negative_integers(cls, kwargs, where)
     try:
         return cls(**kwargs)
     except TypeError as err:
@@ -192,6 +199,39 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise ValueError(f"{where} must be a string, got {value!r}")
         return value
     raise TypeError(f"{where}: config type {hint} is not supported by the recipe loader")
+
+
+def _refuse_negative_integers(cls: type, kwargs: Mapping[str, Any], where: str) -> None:
+    """ValueError for a negative value of an integer field of ``cls``. Every integer setting
+    of the config is a count, a size, a length or a seed, where a negative value means
+    nothing and would pass silently (``trainer.checkpoint_every=-3`` kept no checkpoint)."""
+    for key, value in kwargs.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            path, doc = _join(where, key), field_docs(cls)[key].rstrip(".")
+            raise ValueError(
+                f"{path}={value}: a negative value means nothing here ({path}: {doc}); "
+                "give one >= 0"
+            )
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's one-line doc (the string after its annotation in the class body), first
+    sentence, whitespace collapsed: how the config documents its fields."""
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, after in zip(body, body[1:], strict=False):
+        doc = getattr(after, "value", None)
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(doc, ast.Constant)
+            and isinstance(doc.value, str)
+        ):
+            text = " ".join(doc.value.split())
+            docs[node.target.id] = re.split(r"(?<=\.) ", text, maxsplit=1)[0]
+    return docs
 
 
 def _join(where: str, key: str) -> str:
