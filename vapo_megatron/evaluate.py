@@ -16,7 +16,8 @@ import logging
 import sys
 from pathlib import Path
 
-from vapo_megatron.train import quiet_dependencies, setup_logging
+from vapo_megatron.run_log import open_rank_log, setup_logging
+from vapo_megatron.train import quiet_dependencies
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         from vapo_megatron.trainer.evaluation import EvalSession, evaluate
 
+        open_rank_log(Path(config.trainer.run_dir) / "logs")
         session = EvalSession(config)
         try:
             metrics = evaluate(session, 0)

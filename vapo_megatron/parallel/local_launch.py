@@ -49,8 +49,10 @@ def run_local_ranks(
 
     ``console_rank``: that rank writes to this process's stdout/stderr (a user watching a
     run sees its progress) instead of a file; its returned output is "". ``log_dir``: where
-    the other ranks' ``rank{r}.log`` files go and stay (default: a temporary directory,
-    removed before returning: the outputs, and a ``LaunchError``'s message, carry the logs).
+    the other ranks' stdout and stderr go and stay, ``rank{r}.console.log`` (beside the
+    ``rank{r}.log`` that every rank of vapo-train writes itself, ``run_log``); default: a
+    temporary directory, removed before returning (the outputs, and a ``LaunchError``'s
+    message, carry what the ranks printed).
     """
     with contextlib.ExitStack() as scratch:
         if log_dir is None:
@@ -81,7 +83,7 @@ def _run_ranks(
     for rank in range(world_size):
         rank_env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank))
         to_console = rank == console_rank
-        log = None if to_console else open(logdir / f"rank{rank}.log", "w")  # noqa: SIM115
+        log = None if to_console else open(console_file(logdir, rank), "w")  # noqa: SIM115
         logs.append(log)
         procs.append(
             subprocess.Popen(
@@ -112,8 +114,7 @@ def _run_ranks(
         if log is not None:
             log.close()
     outputs = [
-        "" if r == console_rank else (logdir / f"rank{r}.log").read_text()
-        for r in range(world_size)
+        "" if r == console_rank else console_file(logdir, r).read_text() for r in range(world_size)
     ]
     if timed_out or any(p.returncode != 0 for p in procs):
         detail = "\n".join(
@@ -127,6 +128,11 @@ def _run_ranks(
     return outputs
 
 
+def console_file(log_dir: Path, rank: int) -> Path:
+    """Where a rank that is not on this console prints (its stdout and stderr)."""
+    return log_dir / f"rank{rank}.console.log"
+
+
 def under_launcher() -> bool:
     """Whether this process is one rank of a launched group (torchrun, srun, run_local_ranks)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -134,7 +140,7 @@ def under_launcher() -> bool:
 
 def relaunch_as_local_ranks(world_size: int, *, log_dir: str | Path | None = None) -> int:
     """Start this very command (``sys.executable sys.argv``) as ``world_size`` local gloo
-    ranks, rank 0 on this console and the others logging to ``log_dir``; return an exit code.
+    ranks, rank 0 on this console and the others printing to ``log_dir``; return an exit code.
 
     For command-line tools started plainly; under torchrun/srun each process is already a rank.
     """

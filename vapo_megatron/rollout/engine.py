@@ -258,6 +258,7 @@ class RolloutEngine:
 
         # Importing registers the weight-transfer backend in this process (the TP=1 worker).
         import vapo_megatron.rollout.worker_extension  # noqa: F401
+        from vapo_megatron.rollout.token_ids_renderer import TOKEN_IDS_MODE
 
         self.config = config
         self.is_cpu = current_platform.is_cpu()
@@ -306,6 +307,7 @@ class RolloutEngine:
             config.model_path,
             # Prompts and responses are token ids; stop tokens are passed explicitly.
             skip_tokenizer_init=True,
+            tokenizer_mode=TOKEN_IDS_MODE,  # no chat-template warmup without a tokenizer
             tensor_parallel_size=tp,
             distributed_executor_backend=executor,
             dtype=config.dtype,

@@ -8,6 +8,7 @@ rollout.tensor_parallel_size consecutive ranks) is started last, once the proces
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -34,6 +35,7 @@ from vapo_megatron.parallel.model_groups import (
     seed_rng_tracker,
 )
 from vapo_megatron.rewards.registry import check_data_sources, resolve_routing
+from vapo_megatron.run_log import native_stderr_to_rank_log
 from vapo_megatron.trainer.config import TrainConfig, check_critic_start
 from vapo_megatron.trainer.model_engine import ModelEngine
 
@@ -280,9 +282,12 @@ class Session:
 
             offload = TrainingOffload(self.policy, self.critic)
             offload.offload_all()
-        engine = start_rollout(
-            self.config, self.rank, training_offload=offload, load_format="dummy"
-        )
+        # vLLM's CPU worker notes its NUMA memory binding from C++, straight to stderr.
+        cpu = not torch.cuda.is_available()
+        with native_stderr_to_rank_log() if cpu else contextlib.nullcontext():
+            engine = start_rollout(
+                self.config, self.rank, training_offload=offload, load_format="dummy"
+            )
         if offload is not None:
             engine.sleep()
         return engine
