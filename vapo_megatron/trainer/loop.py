@@ -192,31 +192,11 @@ def train(config: TrainConfig) -> dict:
     flag = PreemptionFlag()
     summary: dict = {"resumed": resumed}
     try:
-        # Critic pretraining (frozen policy, Monte-Carlo returns) until the stop rule says so.
         if run.stop_rule is not None and not run.state["pretrain_done"]:
-            while True:
-                run.before_step()
-                step = run.state["pretrain_step"] + 1
-                metrics = run_step(
-                    session, PRETRAIN_SEED_KEY + step, pretrain=True, pretrain_index=step
-                )
-                run.state["pretrain_step"] = step
-                metrics_log.log(step, metrics, phase="critic_pretrain")
-                if run.stop_rule.update(
-                    step, metrics.get("critic/explained_variance", float("nan"))
-                ):
-                    break
-                if flag.should_save(host):
-                    run.save(wait=True)
-                    return _preempted(session, run)
-            export_hf(
-                session.critic, session.pretrained_critic_dir(),
-                hf_config=hf_io.read_config(config.model.path), assets_from=config.model.path,
-                host_group=host,
-            )  # fmt: skip
-            run.state["pretrain_done"] = True
+            if _pretrain_critic(run, metrics_log, flag):
+                return _preempted(session, run)
             summary["critic_pretrain_steps"] = run.state["pretrain_step"]
-            run.save()
+        _export_pretrained_critic(run)
         last_eval = None
         if session.eval is not None and config.eval.at_start and run.state["step"] == 0:
             last_eval = (0, evaluate(session, 0))
@@ -269,6 +249,56 @@ def train(config: TrainConfig) -> dict:
         flag.uninstall()
         metrics_log.close()
         session.close()
+
+
+def _pretrain_critic(run: Run, metrics_log: MetricsLogger, flag: PreemptionFlag) -> bool:
+    """Critic pretraining (frozen policy, Monte-Carlo returns) until the stop rule says so, with
+    a checkpoint every ``trainer.checkpoint_every`` steps and at the end; True when a signal
+    stopped it (checkpoint saved)."""
+    session, host = run.session, run.session.host_group
+    every = run.cfg.trainer.checkpoint_every
+    while True:
+        run.before_step()
+        step = run.state["pretrain_step"] + 1
+        metrics = run_step(session, PRETRAIN_SEED_KEY + step, pretrain=True, pretrain_index=step)
+        run.state["pretrain_step"] = step
+        metrics_log.log(step, metrics, phase="critic_pretrain")
+        if run.stop_rule.update(step, metrics.get("critic/explained_variance", float("nan"))):
+            break
+        preempted = flag.should_save(host)
+        if preempted or (every and step % every == 0):
+            run.save(wait=preempted)
+        if preempted:
+            return True
+    run.state["pretrain_done"] = True
+    # Published before the critic's export: a run killed in between resumes from this
+    # checkpoint and exports then. Exported first, a restart would find the export without
+    # the checkpoint, skip pretraining and start VAPO where pretraining began.
+    run.save(wait=True)
+    return False
+
+
+def _export_pretrained_critic(run: Run) -> None:
+    """Write ``RUN_DIR/critic_pretrained`` from the critic at the end of its pretraining: now,
+    when this run pretrained it and no VAPO step has moved it yet; a later run (or
+    ``critic.pretrained``) loads it."""
+    session = run.session
+    out = session.pretrained_critic_dir()
+    if run.stop_rule is None or not run.state["pretrain_step"] or (out / "config.json").is_file():
+        return
+    if run.state["step"]:
+        if session.rank == 0:
+            logger.warning(
+                "%s is missing and the critic has been trained past its pretraining (step %d): "
+                "not exported; its pretrained weights are in checkpoint step %d",
+                out, run.state["step"], run.state["pretrain_step"],
+            )  # fmt: skip
+        return
+    config = run.cfg
+    export_hf(
+        session.critic, out, hf_config=hf_io.read_config(config.model.path),
+        assets_from=config.model.path, host_group=session.host_group,
+    )  # fmt: skip
 
 
 def _preempted(session: Session, run: Run) -> dict:
