@@ -121,7 +121,7 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
     from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
     from vapo_megatron.rollout.weight_stream import stream_policy_weights
     from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
-    from vapo_megatron.trainer.step import push_policy_weights
+    from vapo_megatron.weights.sync import push_policy_weights
 
     torch.set_num_threads(1)
     initialize_megatron_cpu(tp=2)

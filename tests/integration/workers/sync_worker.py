@@ -39,7 +39,7 @@ from vapo_megatron.rollout.sleep_state import EngineStateError
 from vapo_megatron.rollout.weight_stream import stream_policy_weights
 from vapo_megatron.trainer.loss_fns import logprob_scoring_fn, policy_loss_fn
 from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
-from vapo_megatron.trainer.step import push_policy_weights
+from vapo_megatron.weights.sync import push_policy_weights
 
 VOCAB = 300
 CONFIG = Qwen2Config(

@@ -1,0 +1,1 @@
+"""Moving weights between Megatron and Hugging Face: names, gathers, buckets, files, streams."""
