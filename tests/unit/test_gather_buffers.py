@@ -1,9 +1,9 @@
-"""The weight stream's buffer pool (models/hf_weights.GatherBuffers): reuse only what nobody holds."""
+"""The weight stream's buffer pool (weights/gather.GatherBuffers): reuse only what nobody holds."""
 
 import pytest
 import torch
 
-from vapo_megatron.models.hf_weights import GatherBuffers
+from vapo_megatron.weights.gather import GatherBuffers
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")

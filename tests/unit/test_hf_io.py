@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vapo_megatron.models import hf_io
+from vapo_megatron.weights import hf_io
 
 pytestmark = pytest.mark.unit
 

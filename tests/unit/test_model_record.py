@@ -9,7 +9,7 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.record import ModelChunk, ModelRecord
+from vapo_megatron.weights.record import ModelChunk, ModelRecord
 
 pytestmark = pytest.mark.unit
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vapo_megatron.rollout.weight_buckets import bucket_nbytes, iter_buckets
+from vapo_megatron.weights.buckets import bucket_nbytes, iter_buckets
 
 pytestmark = pytest.mark.unit
 

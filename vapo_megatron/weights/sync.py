@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
+from vapo_megatron.weights.stream import stream_plan, stream_policy_weights
 
 if TYPE_CHECKING:
-    from vapo_megatron.models.hf_weights import GatherBuffers
     from vapo_megatron.rollout.engine import RolloutEngine, WeightUpdateStats
     from vapo_megatron.trainer.model_engine import ModelEngine
     from vapo_megatron.trainer.session import Session
+    from vapo_megatron.weights.gather import GatherBuffers
 
 
 def sync_weights(session: Session) -> dict[str, float]:

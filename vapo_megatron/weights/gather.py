@@ -17,8 +17,8 @@ import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import unwrap_model
 
-from vapo_megatron.models.record import ModelChunk, ModelRecord, Split, TensorMap
 from vapo_megatron.parallel import collectives
+from vapo_megatron.weights.record import ModelChunk, ModelRecord, Split, TensorMap
 
 
 def model_chunks_of_rank(config: TransformerConfig, pp_rank: int) -> list[ModelChunk]:

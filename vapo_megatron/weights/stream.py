@@ -1,6 +1,6 @@
 """The policy's weights, from Megatron shards to full HF-named tensors on every rollout rank.
 
-Each pipeline stage gathers its own layers over tensor parallelism (``models/hf_weights.py``,
+Each pipeline stage gathers its own layers over tensor parallelism (``gather.py``,
 through the model record: fused QKV and gate/up split back, vocabulary padding trimmed). With
 pipeline parallelism the stages then take turns broadcasting their tensors, one bucket at a
 time, over the pipeline group, so every rank ends up with every tensor, in one fixed order
@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 
-from vapo_megatron.models.hf_weights import GatherBuffers, gather_hf_weights, model_chunks_of_rank
-from vapo_megatron.models.record import ModelRecord
 from vapo_megatron.parallel import collectives
-from vapo_megatron.rollout.weight_buckets import NamedTensor, iter_buckets
+from vapo_megatron.weights.buckets import NamedTensor, iter_buckets
+from vapo_megatron.weights.gather import GatherBuffers, gather_hf_weights, model_chunks_of_rank
+from vapo_megatron.weights.record import ModelRecord
 
 
 def _stage_plan(record: ModelRecord, config: TransformerConfig, stage: int, dtype: torch.dtype):

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vapo_megatron.models import hf_io
 from vapo_megatron.models.checkpoint import (
     ASSETS_DIR,
     DTYPE_NAMES,
@@ -34,8 +33,9 @@ from vapo_megatron.models.checkpoint import (
     save_sharded_state,
 )
 from vapo_megatron.models.config import Head, HFModelConfig
-from vapo_megatron.models.record import ModelChunk, ModelRecord
 from vapo_megatron.parallel import collectives
+from vapo_megatron.weights import hf_io
+from vapo_megatron.weights.record import ModelChunk, ModelRecord
 
 # ----- HF -> Megatron -----
 
@@ -128,7 +128,7 @@ def inspect_hf(
 
 def check_layout(hf: HFModelConfig, tp: int, pp: int) -> None:
     """ValueError naming the fix when TP/PP do not fit the model."""
-    from vapo_megatron.models.provider import ModelLayout
+    from vapo_megatron.config.layout import ModelLayout
 
     ModelLayout(tp=tp, pp=pp).check(hf)
     if hf.intermediate_size % tp:
@@ -356,12 +356,8 @@ def _meta_model(hf: HFModelConfig, head: Head, tp: int, pp: int, dtype: torch.dt
     Always the local layer spec, whatever the machine has (so ``ModelRecord``'s default
     ``layer_spec="local"`` names its parameters): its checkpoint keys are Transformer Engine's
     too, and a TE model loads the result (``checkpoint.load_model_weights``)."""
-    from vapo_megatron.models.provider import (
-        ModelLayout,
-        build_model,
-        local_spec,
-        transformer_config,
-    )
+    from vapo_megatron.config.layout import ModelLayout
+    from vapo_megatron.models.provider import build_model, local_spec, transformer_config
 
     config = transformer_config(hf, ModelLayout(tp=tp, pp=pp), params_dtype=dtype)
     config.perform_initialization = False

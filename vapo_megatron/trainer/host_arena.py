@@ -1,5 +1,5 @@
 """Host memory of exactly the size asked for, page-locked on a GPU machine: the buffer the
-training state goes to while vLLM is awake (``sleep_state.TrainingOffload``).
+training state goes to while vLLM is awake (``offload.TrainingOffload``).
 
 Why not ``torch.empty(n, pin_memory=True)``: that goes through torch's caching host allocator
 (torch 2.13, ``ATen/core/CachingHostAllocator.h``), which rounds every request up to the next

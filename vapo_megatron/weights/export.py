@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from vapo_megatron.models import hf_io
 from vapo_megatron.models.checkpoint import make_metadata
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.rollout.weight_stream import stream_policy_weights
-from vapo_megatron.trainer.model_engine import ModelEngine
+from vapo_megatron.weights import hf_io
+from vapo_megatron.weights.stream import stream_policy_weights
+
+if TYPE_CHECKING:
+    from vapo_megatron.trainer.model_engine import ModelEngine
 
 BUCKET_BYTES = 256 << 20
 
