@@ -85,6 +85,8 @@ class RankLogHandler(logging.Handler):
                 datefmt=DATE_FORMAT,
             )
         )
+        if self.file is not None:  # a second run in this process: its own directory
+            self.file.close()
         self.file = file
         for record in self.held:
             file.handle(record)
