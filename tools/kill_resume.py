@@ -14,12 +14,15 @@ Kills are planned as events seen in the run directory (polled every 10 ms) or ti
     exporting         the pretrained critic's temporary export directory appeared
     exported          RUN_DIR/critic_pretrained appeared
     after:SECONDS     that long after the start
-    random            a uniform time between 2 s and the reference run's duration
+    stepping:SECONDS  that long after this start logged its first step
+    startup           a uniform time in the reference's start-up (before its first step)
+    random            stepping: a uniform fraction of the reference's stepping time (from
+                      its first logged step to its end), so the kill lands among the steps
 
 For each kill the tool prints where the run was (last logged step, checkpoints, saves being
 written, the critic export), then one JSON line: the kills, the differences and failed starts.
 
-    python tools/kill_resume.py OUT_DIR --kills published:3,exported,random,random \\
+    python tools/kill_resume.py OUT_DIR --kills startup,random,published:3,exported,random \\
         [--async] [--seed 0] [--steps 3] [-- recipe overrides...]
 """
 
@@ -68,20 +71,40 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def event_seen(event: str, run_dir: Path, started: float, deadline: float) -> bool:
-    ckpts = run_dir / "checkpoints"
-    kind, _, arg = event.partition(":")
-    if kind == "published":
-        return (ckpts / f"step_{int(arg):08d}" / "COMPLETE").is_file()
-    if kind == "writing":
-        return ckpts.is_dir() and any(".tmp-" in p.name for p in ckpts.iterdir())
-    if kind == "exporting":
-        return (run_dir / "critic_pretrained.tmp").is_dir()
-    if kind == "exported":
-        return (run_dir / "critic_pretrained").is_dir()
-    if kind == "after":
-        return time.monotonic() >= deadline
-    raise ValueError(f"unknown kill event {event!r}; see the tool's docstring")
+class Watch:
+    """What one start of the run has done so far, as the run directory shows it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.started = run_dir, time.monotonic()
+        self.rows_at_start = logged_rows(run_dir)
+        self.first_row: float | None = None  # seconds after the start
+
+    def poll(self) -> None:
+        if self.first_row is None and logged_rows(self.run_dir) > self.rows_at_start:
+            self.first_row = time.monotonic() - self.started
+
+    def seen(self, event: str) -> bool:
+        ckpts = self.run_dir / "checkpoints"
+        kind, _, arg = event.partition(":")
+        elapsed = time.monotonic() - self.started
+        if kind == "published":
+            return (ckpts / f"step_{int(arg):08d}" / "COMPLETE").is_file()
+        if kind == "writing":
+            return ckpts.is_dir() and any(".tmp-" in p.name for p in ckpts.iterdir())
+        if kind == "exporting":
+            return (self.run_dir / "critic_pretrained.tmp").is_dir()
+        if kind == "exported":
+            return (self.run_dir / "critic_pretrained").is_dir()
+        if kind == "after":
+            return elapsed >= float(arg)
+        if kind == "stepping":
+            return self.first_row is not None and elapsed >= self.first_row + float(arg)
+        raise ValueError(f"unknown kill event {event!r}; see the tool's docstring")
+
+
+def logged_rows(run_dir: Path) -> int:
+    jsonl = run_dir / "metrics.jsonl"
+    return jsonl.read_text().count("\n") if jsonl.is_file() else 0
 
 
 def where(run_dir: Path) -> dict:
@@ -105,22 +128,23 @@ def where(run_dir: Path) -> dict:
 
 def run_until(event: str | None, run_dir: Path, overrides: list[str], log: Path) -> dict:
     """One start of the run; kill it at ``event`` (None: let it finish)."""
-    started = time.monotonic()
-    deadline = started + (
-        float(event.partition(":")[2]) if event and event.startswith("after:") else 0
-    )
+    watch = Watch(run_dir)
     proc = start(run_dir, overrides, log)
     while proc.poll() is None:
-        if time.monotonic() - started > START_TIMEOUT:
+        watch.poll()
+        elapsed = round(time.monotonic() - watch.started, 2)
+        if elapsed > START_TIMEOUT:
             kill_group(proc)
             return {"event": event, "outcome": "timed out"}
-        if event is not None and event_seen(event, run_dir, started, deadline):
+        if event is not None and watch.seen(event):
             kill_group(proc)
-            return {"event": event, "outcome": "killed", "at_s": round(time.monotonic() - started, 2),
-                    **where(run_dir)}  # fmt: skip
-        time.sleep(0.01)
+            return {"event": event, "outcome": "killed", "at_s": elapsed, **where(run_dir)}
+        time.sleep(0.002)
     outcome = "finished" if proc.returncode == 0 else f"failed (rc={proc.returncode})"
-    return {"event": event, "outcome": outcome, "at_s": round(time.monotonic() - started, 2)}
+    if event is not None and outcome == "finished":
+        outcome = "finished (event not seen)"
+    at_s = round(time.monotonic() - watch.started, 2)
+    return {"event": event, "outcome": outcome, "at_s": at_s, "first_step_s": watch.first_row}
 
 
 def metrics(run_dir: Path) -> dict[tuple[str, int], dict]:
@@ -156,7 +180,7 @@ def differences(want: dict, got: dict) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--kills", default="published:3,exported,random,random")
+    parser.add_argument("--kills", default="startup,random,published:3,exported,random,random")
     parser.add_argument("--async", dest="asynchronous", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
@@ -178,15 +202,19 @@ def main() -> int:
         return 1
     killed_dir, log = args.out / "killed", args.out / "killed.log"
     results = []
+    startup = reference["first_step_s"]
     for event in args.kills.split(","):
         if event == "random":
-            event = f"after:{rng.uniform(2.0, reference['at_s']):.2f}"
+            event = f"stepping:{rng.uniform(0.0, reference['at_s'] - startup):.2f}"
+        elif event == "startup":
+            event = f"after:{rng.uniform(1.0, startup):.2f}"
         result = run_until(event, killed_dir, overrides, log)
         print(f"kill {len(results) + 1} at {event}: {json.dumps(result)}", flush=True)
         results.append(result)
     final = run_until(None, killed_dir, overrides, log)
     print(f"final start: {final['outcome']} in {final.get('at_s')} s", flush=True)
-    failed = [r for r in [*results, final] if r["outcome"] not in ("killed", "finished")]
+    ended = ("killed", "finished", "finished (event not seen)")
+    failed = [r for r in [*results, final] if r["outcome"] not in ended]
     diffs = (
         differences(metrics(args.out / "reference"), metrics(killed_dir))
         if final["outcome"] == "finished"

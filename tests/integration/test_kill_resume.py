@@ -2,8 +2,8 @@
 
 Default run: two kills at the windows of issue 25 (the end-of-pretraining checkpoint just
 published, before the critic's export: the policy has never stepped, so the load must accept
-its empty optimizer; and the export just written). Slow run: random kill times, a kill while a
-save is writing and one while the critic is being exported, with background checkpoints.
+its empty optimizer; and the export just written). Slow run: a kill in start-up, random kills among the steps, one while a save is writing,
+the same windows as above, synchronous and background checkpoints.
 Every metric of every critic-pretraining and train step must equal the reference's."""
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ def test_kills_at_the_pretraining_windows(tmp_path, assets):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_random_kills(tmp_path, assets, mode):
-    kills = "random,writing,random,exporting,random,random"
+    kills = "startup,random,writing,random,published:3,exported,random,random,random"
     args = ["--kills", kills, "--seed", "1" if mode == "sync" else "2", "--steps", "3"]
     summary = kill_and_compare(
         tmp_path, assets, *args, *(["--async"] if mode == "async" else []), timeout=3000
     )
-    assert len(summary["kills"]) == 6
+    assert len(summary["kills"]) == 9
+    killed = [k for k in summary["kills"] if k["outcome"] == "killed"]
+    assert len(killed) >= 6, summary["kills"]  # most plans land: the run is long enough
