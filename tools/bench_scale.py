@@ -48,11 +48,11 @@ def worker(samples: int, steps: int, path: str) -> None:
     sys.path.insert(0, str(REPO / "tools"))
     from bench_gae import response_lengths
 
-    from vapo_megatron.models.provider import ModelLayout
+    from vapo_megatron.config.layout import ModelLayout
+    from vapo_megatron.config.recipe import load_recipe
     from vapo_megatron.parallel.collectives import make_host_group
     from vapo_megatron.parallel.devices import HOST
-    from vapo_megatron.trainer import rollout_phase, step
-    from vapo_megatron.trainer.recipe import load_recipe
+    from vapo_megatron.step import rollout, run
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -146,15 +146,15 @@ def worker(samples: int, steps: int, path: str) -> None:
         sampler=Sampler(), train=SimpleNamespace(items=prompts),
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: ""),
         stop_token_ids=[0], routing={}, replica=rank, num_replicas=world, host_group=host,
-        rank=rank, run_dir=Path(run_dir.name),
+        rank=rank, run_dir=Path(run_dir.name), data_path=None,
     )  # fmt: skip
-    rollout_phase.score_responses = grade  # the grader is not the data path
-    step.sync_weights = lambda session: {}  # nor is the weight stream (tools/bench.py sync)
+    rollout.score_responses = grade  # the grader is not the data path
+    run.sync_weights = lambda session: {}  # nor is the weight stream (tools/bench.py sync)
     dist.barrier(host)
     base_gb = rss_gb()
     rows = []
     for k in range(steps):
-        metrics = step.run_step(session, k, pretrain=False)
+        metrics = run.run_step(session, k, pretrain=False)
         excluded = sum(
             metrics.get(f"time/{p}", 0.0) for p in ("rollout", "reward", "sync", "megatron")
         )

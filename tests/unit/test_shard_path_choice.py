@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vapo_megatron.models.provider import ModelLayout
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.recipe import load_recipe
 from vapo_megatron.parallel.model_groups import layout_sizes
-from vapo_megatron.trainer.recipe import load_recipe
-from vapo_megatron.trainer.shard_path import choose_path, step_share
+from vapo_megatron.step.scoring import choose_path
+from vapo_megatron.step.shard_route import step_share
 
 pytestmark = pytest.mark.unit
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"

@@ -13,18 +13,19 @@ import torch.distributed as dist
 
 from vapo_megatron.algorithms.gae import gae_packed, length_adaptive_lambda
 from vapo_megatron.algorithms.presets import algo_preset
+from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.data.packing import Sample
-from vapo_megatron.models.provider import ModelLayout
-from vapo_megatron.trainer import advantage_phase as adv
-from vapo_megatron.trainer.batching import (
+from vapo_megatron.step import advantages as adv
+from vapo_megatron.step.batching import (
     FLAT_INDEX,
     build_samples,
     dp_share,
     micro_batches,
     response_offsets,
 )
-from vapo_megatron.trainer.loss_fns import logprob_scoring_fn, value_scoring_fn
-from vapo_megatron.trainer.scoring import score_flat
+from vapo_megatron.step.flat_route import score_flat
+from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
+from vapo_megatron.step.token_sums import TokenSums
 
 pytestmark = pytest.mark.unit
 
@@ -198,5 +199,9 @@ def test_temperature_touches_log_probs_never_values():
 
 def test_whiten():
     x = torch.tensor([1.0, 2.0, 3.0, 10.0])
-    w = adv.whiten(x)
+    w = adv.whiten(x, TokenSums(None, None))
     assert abs(w.mean().item()) < 1e-6 and abs(w.std().item() - 1) < 1e-5
+    # Only the counted tokens set the mean and std (the shard route's counting mask).
+    counted = torch.tensor([True, True, True, False])
+    w = adv.whiten(torch.tensor([1.0, 2.0, 3.0, 99.0]), TokenSums(counted, None))
+    torch.testing.assert_close(w[:3], torch.tensor([-1.0, 0.0, 1.0]))

@@ -7,14 +7,10 @@ import pytest
 import torch
 
 from vapo_megatron.algorithms.presets import algo_preset
-from vapo_megatron.trainer.batching import Ragged, gather_index
-from vapo_megatron.trainer.rollout_phase import (
-    META_FIELDS,
-    Trajectories,
-    shape_rewards,
-    varied_groups,
-)
-from vapo_megatron.trainer.rollout_store import load_rollouts, save_rollouts
+from vapo_megatron.step.batching import Ragged, gather_index
+from vapo_megatron.step.rollout import shape_rewards, varied_groups
+from vapo_megatron.step.rollout_store import load_rollouts, save_rollouts
+from vapo_megatron.step.trajectories import META_FIELDS, Trajectories
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from vapo_megatron.trainer.rollout_phase import RolloutStats, generate_and_grade, sampling_seed
+from vapo_megatron.step.rollout import RolloutStats, generate_and_grade, sampling_seed
 
 EVAL_SEED_OFFSET = 7_777_777
 

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from train_step_worker import HF_CONFIG, OPTIM, make_weights
 
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.recipe import load_recipe
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import (
@@ -33,9 +34,8 @@ from vapo_megatron.parallel.model_groups import (
     ensure_global_memory_buffer,
     seed_rng_tracker,
 )
-from vapo_megatron.trainer import rollout_phase, step
+from vapo_megatron.step import rollout, run
 from vapo_megatron.trainer.model_engine import ModelEngine
-from vapo_megatron.trainer.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 CASES = {
@@ -125,8 +125,9 @@ def run_once(case, path, *, algorithm, pretrain, host, out_dir):
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: ""),
         stop_token_ids=[0], routing={}, replica=rank, num_replicas=world, host_group=host,
         rank=rank, run_dir=out_dir / f"{case}-{algorithm}-{pretrain}-{path}-rank{rank}",
+        data_path=None,
     )  # fmt: skip
-    metrics = step.run_step(session, 3, pretrain=pretrain)
+    metrics = run.run_step(session, 3, pretrain=pretrain)
     weights = {}
     for name, engine in (("policy", policy), ("critic", critic)):
         if engine is not None:
@@ -172,8 +173,8 @@ def main(cases: list[str], out_dir: Path) -> None:
     torch.manual_seed(0)
     initialize_cpu_process_group()
     host = make_host_group()
-    rollout_phase.score_responses = grade  # the grader is not the data path
-    step.sync_weights = lambda session: {}  # nor is the weight stream
+    rollout.score_responses = grade  # the grader is not the data path
+    run.sync_weights = lambda session: {}  # nor is the weight stream
     for k, case in enumerate(cases):
         runs = [("vapo", "vapo", False)]
         if k == 0:

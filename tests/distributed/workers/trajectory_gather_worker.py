@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.parallel import collectives
-from vapo_megatron.trainer import rollout_phase
-from vapo_megatron.trainer.rollout_phase import RolloutStats, generate_and_grade, replica_share
+from vapo_megatron.step import rollout as rollout_phase
+from vapo_megatron.step.rollout import RolloutStats, generate_and_grade, replica_share
 
 NUM_PROMPTS, N = 5, 3
 

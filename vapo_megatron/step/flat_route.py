@@ -1,10 +1,12 @@
-"""The scoring pass (no grad): per-response-token outputs of a model for the whole step.
+"""The flat route: every token's scoring outputs gathered to every rank.
 
-Each data-parallel rank of the model scores its share of the samples; the last pipeline
+Each data-parallel rank of a model scores its share of the samples; the last pipeline
 stage's first tensor-parallel rank of each (data, context) rank then holds its tokens'
 outputs, keyed by their ``flat_index``. One gather over the world puts every token's output
 into the step's flat buffer on every rank, whatever the model's layout, so the policy and
-the critic may be split differently.
+the critic may be split differently (and CP may run with PP). Every rank then holds the whole
+step (the shard route's tail with the whole step as the share), and each model's
+data-parallel rank trains on its share of each mini-batch by token counts (``dp_share``).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.parallel.collectives import all_gather_varlen
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.trainer.batching import (
+from vapo_megatron.step.batching import (
     FLAT_INDEX,
     Ragged,
     build_samples,
@@ -25,7 +28,56 @@ from vapo_megatron.trainer.batching import (
     response_offsets,
     row_lengths,
 )
+from vapo_megatron.step.scoring import Scored, StepInputs, StepModels
+from vapo_megatron.step.token_sums import HeldTokens, TokenSums
 from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
+
+
+class FlatRoute:
+    """Every rank holds every token's outputs; a model's data-parallel rank trains on its
+    share of each mini-batch by token counts. ``token_counts``: [S] prompt + response tokens
+    of each sample; ``response_offsets``: [S + 1]."""
+
+    name = "flat"
+    packs_once = False
+
+    def __init__(self, token_counts: list[int], response_offsets: torch.Tensor) -> None:
+        self.token_counts = token_counts
+        num_samples = len(token_counts)
+        self.held = HeldTokens(
+            ids=torch.arange(num_samples, dtype=torch.long, device=HOST),
+            start=response_offsets[:-1].tolist(),
+            num_tokens=int(response_offsets[-1]),
+        )
+
+    def score(
+        self,
+        models: StepModels,
+        inputs: StepInputs,
+        *,
+        algo: AlgoConfig,
+        monte_carlo: bool,
+        token_budget: int,
+    ) -> Scored:
+        """Both passes, each gathered to every rank (``score_flat``); GAE comes after, over
+        the whole step (``algo`` and ``monte_carlo`` are the tail's)."""
+        arrays: dict[str, torch.Tensor] = {}
+        if models.policy is not None:
+            arrays["old_logprobs"] = score_flat(
+                models.policy, inputs.prompts, inputs.responses, output_key="logprobs",
+                token_budget=token_budget, scoring_fn=models.logprob_fn,
+            )  # fmt: skip
+        if models.critic is not None:
+            # Temperature is the policy's; the critic's values are never divided by it.
+            arrays["old_values"] = score_flat(
+                models.critic, inputs.prompts, inputs.responses, output_key="values",
+                token_budget=token_budget, scoring_fn=models.value_fn,
+            )  # fmt: skip
+        return Scored(self.held, arrays, TokenSums(None, None), whole_sequences=True)
+
+    def mine(self, engine: ModelEngine, chosen: Sequence[int]) -> list[int]:
+        share = dp_share([self.token_counts[i] for i in chosen], engine.dp_size, engine.dp_rank)
+        return [chosen[k] for k in share]
 
 
 def score_flat(

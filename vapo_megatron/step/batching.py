@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.data.packing import MicroBatch, Sample, pack
-from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.devices import HOST
 
 FLAT_INDEX = "flat_index"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.trainer.rollout_phase import META_FIELDS, Trajectories
+from vapo_megatron.step.trajectories import META_FIELDS, Trajectories
 
 
 def save_rollouts(directory: Path, index: int, trajectories: Trajectories) -> Path:

@@ -1,12 +1,15 @@
-"""Rewards and values of the step's flat response tokens -> advantages and critic targets.
+"""Step 6: rewards and the critic's values of the tokens a rank holds -> advantages, critic
+targets and the step's statistics, written once for both output routes (``step/scoring.py``).
 
-Runs on every rank over the whole step (the scoring pass gathered every token's value), so
-its result does not depend on any model's layout. The reward sits at each response's last
-token (the state after it is terminal, value 0); GAE uses lambda_policy(l) per sequence for
-advantages and lambda_critic for returns; the group estimator (GRPO/DAPO) broadcasts each
-sample's group-normalised score over its tokens. ``gae_on_cp_shards`` gives the same
-advantages and returns on one data-parallel rank's samples, where the critic scored them
-(its context-parallel shards), with no per-token gather.
+The reward sits at each response's last token (the state after it is terminal, value 0); GAE
+uses lambda_policy(l) per sequence for advantages and lambda_critic for returns; critic
+pretraining's targets are the Monte-Carlo returns (lambda = gamma = 1); the group estimator
+(GRPO/DAPO) broadcasts each sample's group-normalised score over its tokens. Where a rank
+holds whole sequences (the flat route: the whole step; the shard route without CP: its own
+samples) GAE is one packed scan over them; under CP ``gae_on_cp_shards`` runs it on the
+critic's context-parallel shards during scoring, with one carry per sequence across CP ranks.
+The statistics are float64 sums over the counted tokens (``step/token_sums.py``), so both
+routes give the same numbers.
 """
 
 from __future__ import annotations
@@ -21,7 +24,16 @@ from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.group_advantages import group_normalized_advantages
 from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.parallel.cp_gae import gae_context_parallel_packed
-from vapo_megatron.trainer.batching import FLAT_INDEX
+from vapo_megatron.parallel.devices import HOST
+from vapo_megatron.step.batching import FLAT_INDEX
+from vapo_megatron.step.scoring import Scored, StepInputs, TokenFields
+from vapo_megatron.step.token_sums import (
+    HeldTokens,
+    TokenSums,
+    critic_metrics,
+    lambda_metrics,
+    logprob_gap_sum,
+)
 
 
 def terminal_rewards(
@@ -67,19 +79,26 @@ def group_advantages(
     algo: AlgoConfig, rewards: Sequence[float] | torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
     """[N]: each sample's group-normalised reward on all of its tokens (GRPO / DAPO)."""
-    per_sample = group_normalized_advantages(
-        torch.as_tensor(rewards, dtype=torch.float32, device=offsets.device),
+    return torch.repeat_interleave(group_sample_advantages(algo, rewards), offsets.diff())
+
+
+def group_sample_advantages(
+    algo: AlgoConfig, rewards: Sequence[float] | torch.Tensor
+) -> torch.Tensor:
+    """[S]: each sample's reward normalised over its group (samples_per_prompt consecutive
+    samples)."""
+    return group_normalized_advantages(
+        torch.as_tensor(rewards, dtype=torch.float32, device=HOST),
         algo.samples_per_prompt,
         scale_by_std=algo.group_scale_by_std,
     )  # fmt: skip
-    return torch.repeat_interleave(per_sample, offsets.diff())
 
 
-def whiten(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Zero mean, unit std over all of the step's response tokens (the global batch)."""
-    if x.numel() < 2:
-        return x - x.mean() if x.numel() else x
-    return (x - x.mean()) / (x.std() + eps)
+def whiten(x: torch.Tensor, sums: TokenSums, eps: float = 1e-8) -> torch.Tensor:
+    """Zero mean, unit std over the step's response tokens (the global batch), whichever
+    rank holds them: ``sums`` counts each token once over the job."""
+    mean, std = sums.mean_std(x)
+    return (x - mean) / (std + eps)
 
 
 def gae_on_cp_shards(
@@ -151,3 +170,71 @@ def gae_on_cp_shards(
             "samples in the order the micro-batches were packed"
         )
     return advantages, returns, lam_policy
+
+
+def advantages_and_metrics(
+    algo: AlgoConfig,
+    scored: Scored,
+    inputs: StepInputs,
+    *,
+    monte_carlo: bool,
+    whiten_advantages: bool,
+) -> tuple[TokenFields, dict[str, float]]:
+    """Advantages and returns of the tokens ``scored`` holds, and the step's statistics.
+
+    With the critic's values: GAE (``monte_carlo``: critic pretraining's Monte-Carlo returns,
+    no advantages) where the held values are whole sequences (else the route ran it on the
+    CP shards); without them: the group estimator. ``whiten_advantages``: advantages to zero mean and
+    unit std over the step. Returns the per-token fields the updates read and the metrics
+    (global: the same on every rank). Collective over the sums' group."""
+    arrays, held, sums = scored.arrays, scored.held, scored.sums
+    lengths = inputs.responses.offsets.diff()
+    has_values = "old_values" in arrays
+    if has_values and scored.whole_sequences:  # one packed scan over the held samples
+        rewards, offsets = inputs.rewards[held.ids], held.offsets(lengths)
+        if monte_carlo:
+            arrays["returns"] = monte_carlo_returns(rewards, arrays["old_values"], offsets)
+        else:
+            arrays["advantages"], arrays["returns"], _ = gae_advantages(
+                algo, rewards, arrays["old_values"], offsets
+            )
+    if not has_values and "old_logprobs" in arrays:  # the group estimator: a number per sample
+        per_sample = group_sample_advantages(algo, inputs.rewards)
+        arrays["advantages"] = torch.repeat_interleave(
+            per_sample[held.ids], lengths[held.ids], output_size=held.num_tokens
+        )
+    if "advantages" in arrays and whiten_advantages:
+        arrays["advantages"] = whiten(arrays["advantages"], sums)
+    return TokenFields(held.start, arrays), step_statistics(
+        algo, arrays, held, inputs, sums, monte_carlo=monte_carlo
+    )
+
+
+def step_statistics(
+    algo: AlgoConfig,
+    arrays: dict[str, torch.Tensor],
+    held: HeldTokens,
+    inputs: StepInputs,
+    sums: TokenSums,
+    *,
+    monte_carlo: bool,
+) -> dict[str, float]:
+    """The rollout/trainer log-prob gap, lambda_policy's range, the critic's explained
+    variance and means, and the advantages' mean and std, over the step's tokens."""
+    offsets = inputs.responses.offsets
+    total = int(offsets[-1])
+    metrics: dict[str, float] = {}
+    if "old_logprobs" in arrays and inputs.rollout_logprobs is not None:
+        gap = logprob_gap_sum(inputs.rollout_logprobs, arrays["old_logprobs"], held, offsets, sums)
+        (gap_sum,) = sums.total([gap])
+        metrics["rollout/logprob_gap"] = gap_sum.item() / total
+    if "old_values" in arrays:
+        if not monte_carlo:
+            lam_policy, _ = gae_lambdas(algo, offsets.diff())
+            metrics.update(lambda_metrics(lam_policy))
+        metrics.update(critic_metrics(sums, arrays["returns"], arrays["old_values"], total))
+    if "advantages" in arrays:
+        mean, std = sums.mean_std(arrays["advantages"])
+        metrics["advantages/mean"] = mean
+        metrics["advantages/std"] = std
+    return metrics

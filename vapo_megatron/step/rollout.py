@@ -1,0 +1,294 @@
+"""Steps 1, 3 and 4: the step's prompts -> graded trajectories (rollout and reward).
+
+The world's ranks form ``world / rollout TP`` vLLM engine replicas; replica r generates for
+its contiguous share of the step's prompt groups, grades its own responses, and tensor
+gathers over the gloo host group (token ids, log-probs, one metadata row per sample; nothing
+pickled) give every rank the whole step's trajectories in group order. Sampling seeds depend on
+(seed, step, round, replica) only: reproducible, and different for every replica.
+Dynamic sampling (DAPO) keeps only groups whose *accuracies* differ (not the shaped score),
+sampling more rounds until the step is full or ``max_rounds`` is reached.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from vapo_megatron.algorithms.config import AlgoConfig
+from vapo_megatron.algorithms.group_advantages import soft_overlong_penalty
+from vapo_megatron.parallel import collectives
+from vapo_megatron.parallel.devices import HOST
+from vapo_megatron.rewards.registry import score_responses
+from vapo_megatron.step.rollout_store import load_rollouts, save_rollouts
+from vapo_megatron.step.trajectories import META_FIELDS, Trajectories, concat, group_samples
+
+if TYPE_CHECKING:
+    from vapo_megatron.trainer.session import Session
+
+
+@dataclass
+class RolloutStats:
+    """Counts of one step's rollout."""
+
+    rounds: int = 0
+    groups_sampled: int = 0
+    groups_kept: int = 0
+    grader_errors: int = 0
+    grader_timeouts: int = 0
+    empty_responses: int = 0
+    generate_seconds: float = 0.0
+    reward_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def sampling_seed(seed: int, step: int, round_: int, replica: int) -> int:
+    """A 31-bit seed for one replica's generate call (vLLM adds prompt/sample offsets)."""
+    state = np.random.SeedSequence([seed, step, round_, replica]).generate_state(1)
+    return int(state[0] >> 1)
+
+
+def replica_share(num_groups: int, num_replicas: int, replica: int) -> range:
+    """The contiguous groups replica ``replica`` generates."""
+    return range(num_groups * replica // num_replicas, num_groups * (replica + 1) // num_replicas)
+
+
+def generate_and_grade(
+    engine,
+    tokenizer,
+    prompts: Sequence,
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    seed: int,
+    routing: Mapping[str, str],
+    grader_timeout_s: float,
+    stats: RolloutStats,
+    replica: int,
+    num_replicas: int,
+    host_group: dist.ProcessGroup,
+) -> Trajectories:
+    """Generate ``n`` responses for this replica's share of ``prompts`` (TokenizedPrompt list,
+    the same on every rank), grade them, and gather everyone's: every rank returns all
+    ``len(prompts) * n`` trajectories in (group, sample) order. The trajectories and the
+    counts travel over ``host_group`` (gloo) as host tensors: generation output is host data,
+    and while vLLM still holds the GPU a gather on NCCL would stage it on the device."""
+    share = replica_share(len(prompts), num_replicas, replica)
+    start = time.perf_counter()
+    outputs = engine.generate(
+        [prompts[g].token_ids for g in share], n=n, temperature=temperature, top_p=top_p,
+        max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed,
+    ) if len(share) else []  # fmt: skip
+    generated = time.perf_counter()
+    results, grading = _grade(outputs, tokenizer, prompts, share, routing, grader_timeout_s)
+    graded = time.perf_counter()  # the copies below are bookkeeping, not grading
+    counts = torch.tensor(
+        [grading.num_errors, grading.num_timeouts, graded - generated, generated - start],
+        dtype=torch.float64, device=HOST,
+    )  # fmt: skip
+    # The ranks of a replica hold the same samples (vLLM TP in lockstep): its first rank alone
+    # hands them, and its counts, to the gather; replicas are consecutive rank groups.
+    if dist.get_rank() % (dist.get_world_size() // num_replicas):
+        outputs, results = [], []
+        counts.zero_()
+    local = _local_buffers(outputs, results, prompts, share)
+    # The engine's per-token Python lists are copied into ``local``: free them before the
+    # gather, which holds every replica's tokens (the host's peak of the step).
+    del outputs, results
+    return _gather(local, counts, stats, num_replicas, host_group)
+
+
+def _grade(outputs, tokenizer, prompts: Sequence, share: range, routing, timeout_s: float):
+    """(grades, grading counts) of this replica's responses ``outputs``."""
+    texts = [
+        tokenizer.decode(_ids(o.response_token_ids), skip_special_tokens=True) for o in outputs
+    ]
+    items = []
+    for o, text in zip(outputs, texts, strict=True):
+        record = prompts[share[o.prompt_index]].record
+        items.append((record.data_source, text, record.answer))
+    return score_responses(items, routing, timeout_s=timeout_s)
+
+
+def _local_buffers(outputs, results, prompts: Sequence, share: range) -> list[torch.Tensor]:
+    """This rank's part of the gather: [R * len(META_FIELDS)] float64 metadata, int32 prompt
+    and response token ids, float32 rollout log-probs."""
+    meta: list[tuple] = []
+    prompt_ids, response_ids, logprobs = array("i"), array("i"), array("f")
+    for o, result in zip(outputs, results, strict=True):
+        group = share[o.prompt_index]
+        prompt = prompts[group].token_ids
+        meta.append(
+            (group, prompts[group].record.index, len(prompt), len(o.response_token_ids),
+             o.finish_reason == "length", float(result.score), float(result.acc))
+        )  # fmt: skip
+        prompt_ids.extend(prompt)
+        response_ids.extend(o.response_token_ids)
+        logprobs.extend(o.logprobs)
+    return [
+        torch.tensor(meta, dtype=torch.float64, device=HOST).reshape(-1),
+        _host_tensor(prompt_ids, torch.int32),
+        _host_tensor(response_ids, torch.int32),
+        _host_tensor(logprobs, torch.float32),
+    ]
+
+
+def _gather(
+    local: list[torch.Tensor],
+    counts: torch.Tensor,
+    stats: RolloutStats,
+    num_replicas: int,
+    host_group: dist.ProcessGroup,
+) -> Trajectories:
+    """Every replica's trajectories from each rank's ``local`` buffers, in group order; the
+    grading counts and seconds ``counts`` summed into ``stats``."""
+    gathered_parts = []
+    while local:  # each local buffer is freed once gathered: less at the peak
+        gathered_parts.append(collectives.all_gather_varlen(local.pop(0), host_group))
+    meta_all, prompt_all, response_all, logprob_all = gathered_parts
+    collectives.all_reduce(counts, host_group)
+    counts[2:] /= num_replicas  # mean seconds over replicas
+    stats.grader_errors += int(counts[0])
+    stats.grader_timeouts += int(counts[1])
+    stats.reward_seconds += float(counts[2])
+    stats.generate_seconds += float(counts[3])
+    gathered = Trajectories.from_rows(
+        meta_all.view(-1, len(META_FIELDS)), prompt_all, response_all, logprob_all
+    )
+    # Stable: the samples of a group keep their order.
+    return gathered.select(torch.sort(gathered.group, stable=True).indices)
+
+
+def _ids(tokens) -> list[int]:
+    """Token ids as the list the tokenizer takes (the engine hands an ``array('i')``)."""
+    return tokens.tolist() if isinstance(tokens, array) else list(tokens)
+
+
+def _host_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor over ``values`` (no copy). vLLM hands out Python lists; gathering them
+    into an ``array`` and wrapping it is ~2x faster than ``torch.tensor`` on the lists.
+    ``torch.frombuffer`` makes host tensors only, which is where generation output belongs."""
+    if not values:
+        return torch.zeros(0, dtype=dtype, device=HOST)
+    return torch.frombuffer(values, dtype=dtype)
+
+
+def shape_rewards(trajectories: Trajectories, algo: AlgoConfig, max_new_tokens: int) -> None:
+    """reward = score (+ DAPO's soft overlong penalty when configured), in place."""
+    if algo.overlong_buffer_len is None:
+        trajectories.reward = trajectories.score.clone()
+        return
+    lengths = trajectories.responses.lengths()
+    penalty = soft_overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer_len)
+    trajectories.reward = trajectories.score + penalty.to(torch.float64)
+
+
+def varied_groups(acc: torch.Tensor, n: int) -> torch.Tensor:
+    """[G] bool: the groups (n consecutive samples of acc [G * n]) whose accuracies are not
+    all equal (the dynamic-sampling filter)."""
+    per_group = acc.view(-1, n)
+    return (per_group != per_group[:, :1]).any(1)
+
+
+def step_rollouts(
+    session: Session, step: int, *, pretrain: bool, pretrain_index: int
+) -> tuple[Trajectories, RolloutStats]:
+    """The step's graded trajectories: sampled from the policy (dynamic sampling decides on
+    accuracy, not the shaped score), or, in critic pretraining with
+    critic_pretrain.offline_rollouts, read from an earlier run's saved rollouts. The engine
+    sleeps afterwards (training takes the device)."""
+    cfg = session.config
+    offline = cfg.critic_pretrain.offline_rollouts if pretrain else None
+    if offline:  # fit the critic to rollouts saved by an earlier run
+        trajectories, stats = load_rollouts(offline, pretrain_index), RolloutStats()
+    else:
+        dynamic = cfg.algorithm.dynamic_sampling and not pretrain
+        trajectories, stats = collect_rollouts(session, step, dynamic=dynamic)
+    if pretrain and cfg.critic_pretrain.save_rollouts and session.rank == 0:
+        save_rollouts(session.run_dir / "rollouts", pretrain_index, trajectories)
+    session.rollout.sleep()
+    return trajectories, stats
+
+
+def collect_rollouts(
+    session: Session, step: int, *, dynamic: bool
+) -> tuple[Trajectories, RolloutStats]:
+    """The step's graded trajectories, group by group; with ``dynamic``, only groups whose
+    accuracies differ, sampling up to trainer.max_sampling_rounds rounds to fill the step."""
+    cfg = session.config
+    algo, rollout = cfg.algorithm, cfg.rollout
+    n = algo.samples_per_prompt
+    stats = RolloutStats()
+    kept: list[Trajectories] = []  # whole groups, in order
+    num_kept = 0
+    rounds = cfg.trainer.max_sampling_rounds if dynamic else 1
+    for round_ in range(rounds):
+        indices = session.sampler.next_indices(algo.prompts_per_step)
+        prompts = [session.train.items[i] for i in indices]
+        trajectories = generate_and_grade(
+            session.rollout, session.tokenizer, prompts, n=n, temperature=rollout.temperature,
+            top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
+            stop_token_ids=session.stop_token_ids,
+            seed=sampling_seed(cfg.trainer.seed, step, round_, session.replica),
+            routing=session.routing, grader_timeout_s=cfg.reward.timeout_s, stats=stats,
+            replica=session.replica, num_replicas=session.num_replicas,
+            host_group=session.host_group,
+        )  # fmt: skip
+        stats.rounds += 1
+        stats.groups_sampled += len(prompts)
+        if dynamic:
+            groups = varied_groups(trajectories.acc, n).nonzero().squeeze(1)
+        else:
+            groups = torch.arange(len(trajectories) // n, device=HOST)
+        groups = groups[: algo.prompts_per_step - num_kept]
+        kept.append(trajectories.select(group_samples(groups, n)))
+        num_kept += groups.numel()
+        if num_kept >= algo.prompts_per_step:
+            break
+    stats.groups_kept = num_kept
+    merged = concat(kept)
+    # No token to carry the reward; dropping only that sample would misalign the group
+    # baseline, so the whole group goes (counted).
+    empty = (merged.responses.lengths() == 0).view(-1, n)
+    stats.empty_responses += int(empty.sum())
+    flat = merged.select(group_samples((~empty.any(1)).nonzero().squeeze(1), n))
+    flat.group = torch.arange(len(flat), device=HOST) // n
+    shape_rewards(flat, algo, rollout.max_new_tokens)
+    return flat, stats
+
+
+def rollout_metrics(
+    trajectories: Trajectories, stats: RolloutStats, max_new_tokens: int
+) -> dict[str, float]:
+    """The step's rollout counts, scores and response lengths."""
+    out = {
+        "rollout/rounds": float(stats.rounds),
+        "rollout/groups_sampled": float(stats.groups_sampled),
+        "rollout/groups_kept": float(stats.groups_kept),
+        "rollout/grader_errors": float(stats.grader_errors),
+        "rollout/grader_timeouts": float(stats.grader_timeouts),
+        "rollout/empty_responses": float(stats.empty_responses),
+        "num_samples": float(len(trajectories)),
+    }
+    if len(trajectories):
+        lengths = trajectories.responses.lengths().to(torch.float64)
+        out.update(
+            {
+                "score": trajectories.score.mean().item(),
+                "reward": trajectories.reward.mean().item(),
+                "acc": trajectories.acc.mean().item(),
+                "response_length/mean": lengths.mean().item(),
+                "response_length/max": lengths.max().item(),
+                "response_length/clip_frac": trajectories.truncated.double().mean().item(),
+            }
+        )
+    return out

@@ -1,0 +1,181 @@
+"""One training step, as docs/design.md's "One training step" lists it.
+
+``run_step`` (a VAPO step, or a critic-pretraining step that stops after the critic's update)
+reads top-down: prompts, weight sync, rollout, reward, scoring pass, advantages, mini-batch
+updates (critic, then policy), metrics. Every rank runs it in lockstep.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from vapo_megatron.step.advantages import advantages_and_metrics
+from vapo_megatron.step.flat_route import FlatRoute
+from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
+from vapo_megatron.step.rollout import rollout_metrics, step_rollouts
+from vapo_megatron.step.scoring import (
+    OutputRoute,
+    StepInputs,
+    StepModels,
+    TokenFields,
+    choose_path,
+)
+from vapo_megatron.step.shard_route import ShardRoute, step_share
+from vapo_megatron.step.timing import Timer
+from vapo_megatron.step.trajectories import Trajectories
+from vapo_megatron.step.updates import UpdateData, epoch_minibatches, run_updates
+from vapo_megatron.weights.sync import sync_weights
+
+if TYPE_CHECKING:
+    from vapo_megatron.trainer.session import Session
+
+logger = logging.getLogger("vapo_megatron")
+
+
+def run_step(
+    session: Session, step: int, *, pretrain: bool, pretrain_index: int = 0
+) -> dict[str, float]:
+    """One step: VAPO (``pretrain=False``) or critic pretraining (frozen policy, Monte-Carlo
+    returns, critic updates only; ``pretrain_index`` counts its steps from 1). ``step`` keys
+    the step's seeds. Returns the step's metrics (the same on every rank)."""
+    cfg = session.config
+    models = step_models(session, pretrain=pretrain)
+    timer = Timer([e for e in (session.policy, session.critic) if e is not None])
+    metrics: dict[str, float] = {}
+    # 1-2. Prompts are drawn by the rollout; the weight sync first (the policy is frozen
+    # during critic pretraining: once is enough).
+    if not (pretrain and session.rollout_synced):
+        metrics.update(sync_weights(session))
+        session.rollout_synced = True
+    timer.lap("sync")
+    # 3-4. Rollout and reward.
+    trajectories, stats = step_rollouts(
+        session, step, pretrain=pretrain, pretrain_index=pretrain_index
+    )
+    timer.lap_rollout(stats)
+    metrics.update(rollout_metrics(trajectories, stats, cfg.rollout.max_new_tokens))
+    if not len(trajectories):
+        logger.warning("step %d: no trajectories to train on (all groups filtered)", step)
+        metrics["skipped_step"] = 1.0
+        return metrics
+    # 5. Scoring pass (old log-probs at the sampling temperature, values), on the route that
+    # brings each token's outputs to the rank that trains on it (step/scoring.py).
+    route = output_route(session, models, trajectories, step)
+    metrics["data/shard_path"] = float(route.name == "shards")
+    inputs = StepInputs(
+        trajectories.prompts, trajectories.responses, trajectories.reward,
+        trajectories.rollout_logprobs,
+    )  # fmt: skip
+    scored = route.score(
+        models, inputs, algo=cfg.algorithm, monte_carlo=pretrain,
+        token_budget=cfg.trainer.micro_batch_tokens,
+    )  # fmt: skip
+    timer.lap("scoring")
+    # 6. Advantages and critic targets.
+    fields, step_stats = advantages_and_metrics(
+        cfg.algorithm, scored, inputs, monte_carlo=pretrain,
+        whiten_advantages=cfg.trainer.whiten_advantages and not pretrain,
+    )  # fmt: skip
+    metrics.update(step_stats)
+    warn_on_logprob_gap(metrics, step, cfg.rollout.logprob_gap_warn)
+    timer.lap("advantages")
+    # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
+    metrics.update(update_models(session, models, trajectories, fields, route, step, timer))
+    # 8. Metrics (the checkpoint is the loop's).
+    prompts, responses = trajectories.prompts, trajectories.responses
+    metrics.update(timer.metrics(int(prompts.offsets[-1]) + int(responses.offsets[-1])))
+    return metrics
+
+
+def step_models(session: Session, *, pretrain: bool) -> StepModels:
+    """The models that score and train: the critic alone in critic pretraining, the policy
+    (and the critic, where the algorithm uses one) otherwise."""
+    critic = session.critic if session.config.algorithm.uses_critic else None
+    policy = None if pretrain else session.policy
+    logprob_fn = None
+    if policy is not None:  # log-probs at the sampling temperature
+        temperature = session.config.rollout.temperature
+        logprob_fn = logprob_scoring_fn(policy.vocab_slice, temperature=temperature)
+    return StepModels(policy, critic, logprob_fn=logprob_fn, value_fn=value_scoring_fn())
+
+
+def output_route(
+    session: Session, models: StepModels, trajectories: Trajectories, step: int
+) -> OutputRoute:
+    """The shard route where the scoring models share one layout (each DP rank owns the
+    first epoch's share of each mini-batch for the whole step), else the flat route. Logged
+    when it changes (``session.data_path``). Collective over the host group."""
+    cfg = session.config
+    scorers = models.scorers()
+    choice = choose_path(scorers, requested=cfg.trainer.gae_path, host_group=session.host_group)
+    if session.data_path != choice.name:
+        logger.info(
+            "step %d: per-token outputs on the %s path: %s", step, choice.name, choice.reason
+        )
+        session.data_path = choice.name
+    responses = trajectories.responses
+    token_counts = (trajectories.prompts.lengths() + responses.lengths()).tolist()
+    if choice.name == "flat":
+        return FlatRoute(token_counts, responses.offsets)
+    lead = scorers[-1]
+    share = step_share(
+        epoch_minibatches(
+            len(trajectories), _num_minibatches(session), seed=cfg.trainer.seed, step=step,
+            epoch=0,
+        ),
+        token_counts, responses.lengths(), dp_size=lead.dp_size, dp_rank=lead.dp_rank,
+    )  # fmt: skip
+    return ShardRoute(share, session.host_group)
+
+
+def update_models(
+    session: Session,
+    models: StepModels,
+    trajectories: Trajectories,
+    fields: TokenFields,
+    route: OutputRoute,
+    step: int,
+    timer: Timer,
+) -> dict[str, float]:
+    """Every PPO epoch's mini-batch updates of the step's models; the engine's weights are
+    stale once the policy has moved."""
+    cfg = session.config
+    data = UpdateData(
+        prompts=trajectories.prompts, responses=trajectories.responses, fields=fields,
+        positive=(trajectories.acc > 0).tolist(),
+        trainable_policy=(
+            (~trajectories.truncated).tolist()
+            if cfg.reward.overlong_filter
+            else [True] * len(trajectories)
+        ),
+        route=route,
+    )  # fmt: skip
+    num_minibatches = _num_minibatches(session)
+    metrics = run_updates(
+        data,
+        lambda epoch: epoch_minibatches(
+            len(trajectories), num_minibatches, seed=cfg.trainer.seed, step=step, epoch=epoch
+        ),
+        epochs=cfg.trainer.ppo_epochs, algo=cfg.algorithm, policy=models.policy,
+        critic=models.critic, temperature=cfg.rollout.temperature,
+        token_budget=cfg.trainer.micro_batch_tokens, timer=timer,
+    )  # fmt: skip
+    if any(name.startswith("policy/") for name in metrics):  # the policy took a step
+        session.rollout_synced = False
+    return metrics
+
+
+def warn_on_logprob_gap(metrics: dict[str, float], step: int, limit: float) -> None:
+    gap = metrics.get("rollout/logprob_gap", 0.0)
+    if gap > limit:
+        logger.warning(
+            "step %d: rollout/trainer log-prob gap %.3g > rollout.logprob_gap_warn=%.3g: "
+            "the engine may hold stale or wrongly synced weights",
+            step, gap, limit,
+        )  # fmt: skip
+
+
+def _num_minibatches(session: Session) -> int:
+    cfg = session.config
+    return max(1, cfg.samples_per_step // cfg.trainer.mini_batch_size)

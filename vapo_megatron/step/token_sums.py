@@ -1,0 +1,139 @@
+"""float64 statistics over the step's response tokens wherever they are held.
+
+A rank holds some samples' per-token outputs (``HeldTokens``: the whole step on the flat route,
+its own samples on the shard route) and counts some of those tokens (each token once over the
+job); ``TokenSums`` sums over the counted tokens and all-reduces the sums over the host group.
+The step's statistics (log-prob gap, explained variance, value and return means, the
+whitening's and the advantages' mean and std) are written once on top of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from vapo_megatron.algorithms.losses import explained_variance
+from vapo_megatron.parallel import collectives
+from vapo_megatron.parallel.devices import HOST
+
+STAT_BLOCK = 1 << 20
+"""Tokens per block of the float64 statistics."""
+
+
+@dataclass
+class HeldTokens:
+    """The samples whose per-token outputs this rank holds, their response tokens laid end to
+    end in its buffers (in ascending sample order)."""
+
+    ids: torch.Tensor
+    """[K] int64 the held samples, ascending."""
+    start: list[int]
+    """[S] first position of each held sample's tokens in the buffers (0 for the others)."""
+    num_tokens: int
+    """Response tokens of the held samples (the buffers' length)."""
+
+    def offsets(self, response_lengths: torch.Tensor) -> torch.Tensor:
+        """[K + 1] the held samples' spans in the buffers (cu_seqlens); ``response_lengths``:
+        [S] of the whole step."""
+        return torch.nn.functional.pad(response_lengths[self.ids].cumsum(0), (1, 0))
+
+
+class TokenSums:
+    """float64 sums over the tokens ``counting`` marks on this rank (None: all), all-reduced
+    over ``group`` (None: this rank holds every token). Every rank gets the same totals."""
+
+    def __init__(self, counting: torch.Tensor | None, group: dist.ProcessGroup | None):
+        self.counting, self.group = counting, group
+
+    def pick(self, x: torch.Tensor) -> torch.Tensor:
+        """The counted tokens of ``x`` (all of them without a ``counting`` mask)."""
+        return x if self.counting is None else x[self.counting]
+
+    def total(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        out = torch.stack([p.to(HOST, torch.float64) for p in parts])
+        if self.group is not None:
+            collectives.all_reduce(out, self.group)
+        return out
+
+    def mean_std(self, x: torch.Tensor) -> tuple[float, float]:
+        """Mean and unbiased std of ``x`` over the counted tokens (two passes, float64)."""
+        picked = self.pick(x)
+        n, s = self.total(
+            [
+                torch.tensor(picked.numel(), dtype=torch.float64, device=HOST),
+                picked.sum(dtype=torch.float64),
+            ]
+        )
+        count = int(n)
+        if count == 0:
+            return 0.0, 0.0
+        mean = s.item() / count
+        squares = torch.zeros((), dtype=torch.float64, device=HOST)
+        for block in picked.split(STAT_BLOCK):
+            squares += (block.double() - mean).square().sum()
+        (squares,) = self.total([squares])
+        return mean, math.sqrt(squares.item() / (count - 1)) if count > 1 else 0.0
+
+
+def lambda_metrics(lam_policy: torch.Tensor) -> dict[str, float]:
+    return {
+        "lambda_policy/mean": lam_policy.double().mean().item(),
+        "lambda_policy/min": lam_policy.min().item(),
+        "lambda_policy/max": lam_policy.max().item(),
+    }
+
+
+def critic_metrics(
+    sums: TokenSums, returns: torch.Tensor, values: torch.Tensor, total: int
+) -> dict[str, float]:
+    """Explained variance and the means of values and returns over the step's tokens: the
+    sums of ``explained_variance_stats`` in float64, in blocks (no float64 copy of the whole
+    buffer)."""
+    r, v = sums.pick(returns), sums.pick(values)
+    stats = torch.zeros(5, dtype=torch.float64, device=HOST)
+    for rb, vb in zip(r.split(STAT_BLOCK), v.split(STAT_BLOCK), strict=True):
+        r64 = rb.double()
+        e64 = r64 - vb  # R - V in float64 (the values promote): no float32 rounding
+        stats += torch.stack(
+            [torch.tensor(float(rb.numel()), dtype=torch.float64, device=HOST), r64.sum(),
+             r64.dot(r64), e64.sum(), e64.dot(e64)]
+        )  # fmt: skip
+    totals = sums.total(list(stats))
+    r_sum, e_sum = totals[1].item(), totals[3].item()
+    return {
+        "critic/explained_variance": explained_variance(totals).item(),
+        "critic/values_mean": (r_sum - e_sum) / total,  # sum V = sum R - sum (R - V)
+        "critic/returns_mean": r_sum / total,
+    }
+
+
+def logprob_gap_sum(
+    rollout: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    held: HeldTokens,
+    offsets: torch.Tensor,
+    sums: TokenSums,
+) -> torch.Tensor:
+    """float64 sum of |exp(rollout - old) - 1| over this rank's counted tokens, in blocks of
+    about ``STAT_BLOCK`` tokens. ``rollout`` [N]: the step's flat buffer (offsets [S + 1]);
+    ``old_logprobs``: this rank's buffer of the ``held`` samples' tokens."""
+    total = torch.zeros((), dtype=torch.float64, device=HOST)
+    ids = held.ids.tolist()
+    flat = offsets.tolist()
+    block, first, used = [], 0, 0
+    for k, i in enumerate(ids):  # blocks of whole samples: their slices laid end to end
+        block.append(rollout[flat[i] : flat[i + 1]])
+        used += flat[i + 1] - flat[i]
+        if used < STAT_BLOCK and k + 1 < len(ids):
+            continue
+        span = slice(held.start[ids[first]], held.start[ids[first]] + used)
+        gap = torch.cat(block).sub_(old_logprobs[span]).exp_().sub_(1).abs_()
+        if sums.counting is not None:
+            gap = gap[sums.counting[span]]
+        total += gap.sum(dtype=torch.float64)
+        block, first, used = [], k + 1, 0
+    return total
