@@ -140,58 +140,13 @@ def build_model_groups(
             f"world_size={world_size} but torch.distributed has {dist.get_world_size()} ranks; "
             f"pass world_size=None"
         )
-    me = _coordinates(dist.get_rank(), sizes)
-    cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    bounded = {} if timeout is None else {"timeout": timeout}
-
-    def mine(rank_lists) -> dist.ProcessGroup | None:
-        """Create every listed group (all ranks must); return this rank's, None if in none."""
-        found = None
-        for ranks in map(tuple, rank_lists):
-            if ranks not in cache:  # identical rank sets share one group
-                cache[ranks] = dist.new_group(list(ranks), **bounded)
-            if dist.get_rank() in ranks:
-                found = cache[ranks]
-        return found
-
-    def group(*varying: str) -> dist.ProcessGroup:
-        """This rank's group among ranks that differ only in the ``varying`` coordinates."""
-        return mine(rank_groups(sizes, *varying))
-
-    pipelines = rank_groups(sizes, "pp")
-    tp_g, cp_g, dp_g, pp_g = group("tp"), group("cp"), group("dp"), group("pp")
-    dp_cp, tp_cp, mp = group("cp", "dp"), group("tp", "cp"), group("tp", "pp")
-    everyone = group("tp", "cp", "dp", "pp")
-    pgs = ProcessGroupCollection(
-        tp=tp_g,
-        pp=pp_g,
-        cp=cp_g,
-        dp=dp_g,
-        dp_cp=dp_cp,
-        tp_cp=tp_cp,
-        mp=mp,
-        tp_dp_cp=group("tp", "cp", "dp"),
-        # Tied embeddings: first and last stage of each pipeline (megatron's default ranks).
-        # None on the stages in between, as parallel_state leaves them.
-        embd=mine((r[0], r[-1]) if len(r) > 1 else r for r in pipelines),
-        pos_embd=mine(r[:1] for r in pipelines),
-        # One distributed-optimizer instance spanning the model: intra = dp_cp, no inter.
-        intra_dp_cp=dp_cp,
-        intra_dist_opt=everyone,
-        inter_dist_opt=None,
-        # Expert groups at ep = 1, expert TP = TP: the dense groups under other names.
-        ep=group(),
-        expt_tp=tp_g,
-        tp_ep=tp_g,
-        tp_ep_pp=mp,
-        expt_dp=dp_cp,
-        intra_expt_dp=dp_cp,
-    )
+    pgs = _pg_collection(_GroupMaker(sizes, timeout))
     ensure_global_memory_buffer()
+    me = _coordinates(dist.get_rank(), sizes)
     return ModelGroups(
         pg_collection=pgs,
-        parallel=ParallelGroups(tp=tp_g, pp=pp_g, cp=cp_g, dp=dp_g, dp_cp=dp_cp),
-        world=everyone,
+        parallel=ParallelGroups(tp=pgs.tp, pp=pgs.pp, cp=pgs.cp, dp=pgs.dp, dp_cp=pgs.dp_cp),
+        world=pgs.intra_dist_opt,  # every rank of the model: the distributed optimizer's span
         host=make_host_group(timeout) if host is None else host,
         tp_size=tp,
         pp_size=pp,
@@ -201,6 +156,63 @@ def build_model_groups(
         pp_rank=me["pp"],
         cp_rank=me["cp"],
         dp_rank=me["dp"],
+    )
+
+
+class _GroupMaker:
+    """Makes the groups of one layout: every rank list once (every rank must create every
+    group, in one order), each bounded by ``timeout``; hands back this rank's."""
+
+    def __init__(self, sizes: dict[str, int], timeout: timedelta | None) -> None:
+        self.sizes = sizes
+        self.bounded = {} if timeout is None else {"timeout": timeout}
+        self.cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def mine(self, rank_lists) -> dist.ProcessGroup | None:
+        """Create every listed group (all ranks must); return this rank's, None if in none."""
+        found = None
+        for ranks in map(tuple, rank_lists):
+            if ranks not in self.cache:  # identical rank sets share one group
+                self.cache[ranks] = dist.new_group(list(ranks), **self.bounded)
+            if dist.get_rank() in ranks:
+                found = self.cache[ranks]
+        return found
+
+    def group(self, *varying: str) -> dist.ProcessGroup:
+        """This rank's group among ranks that differ only in the ``varying`` coordinates."""
+        return self.mine(rank_groups(self.sizes, *varying))
+
+
+def _pg_collection(make: _GroupMaker) -> ProcessGroupCollection:
+    """Megatron's collection of one layout's groups, made in the same order on every rank."""
+    pipelines = rank_groups(make.sizes, "pp")
+    tp_g, cp_g, dp_g, pp_g = make.group("tp"), make.group("cp"), make.group("dp"), make.group("pp")
+    dp_cp, tp_cp, mp = make.group("cp", "dp"), make.group("tp", "cp"), make.group("tp", "pp")
+    everyone = make.group("tp", "cp", "dp", "pp")
+    return ProcessGroupCollection(
+        tp=tp_g,
+        pp=pp_g,
+        cp=cp_g,
+        dp=dp_g,
+        dp_cp=dp_cp,
+        tp_cp=tp_cp,
+        mp=mp,
+        tp_dp_cp=make.group("tp", "cp", "dp"),
+        # Tied embeddings: first and last stage of each pipeline (megatron's default ranks).
+        # None on the stages in between, as parallel_state leaves them.
+        embd=make.mine((r[0], r[-1]) if len(r) > 1 else r for r in pipelines),
+        pos_embd=make.mine(r[:1] for r in pipelines),
+        # One distributed-optimizer instance spanning the model: intra = dp_cp, no inter.
+        intra_dp_cp=dp_cp,
+        intra_dist_opt=everyone,
+        inter_dist_opt=None,
+        # Expert groups at ep = 1, expert TP = TP: the dense groups under other names.
+        ep=make.group(),
+        expt_tp=tp_g,
+        tp_ep=tp_g,
+        tp_ep_pp=mp,
+        expt_dp=dp_cp,
+        intra_expt_dp=dp_cp,
     )
 
 

@@ -16,27 +16,81 @@ from pathlib import Path
 import torch.distributed as dist
 
 from vapo_megatron.algorithms.value_pretrain import ValuePretrainStop
-from vapo_megatron.models import hf_io
+from vapo_megatron.config.recipe import config_to_dict, dump_config
+from vapo_megatron.config.train import TrainConfig
+from vapo_megatron.data.tiny_assets import ensure_tiny_assets
 from vapo_megatron.models.checkpoint import make_metadata
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.collectives import make_host_group
+from vapo_megatron.step.run import run_step
 from vapo_megatron.trainer.checkpointing import (
     CheckpointSaver,
     TrainableState,
     latest_step,
     load_train_checkpoint,
 )
-from vapo_megatron.trainer.config import TrainConfig
 from vapo_megatron.trainer.evaluation import evaluate
-from vapo_megatron.trainer.export import export_hf
 from vapo_megatron.trainer.metrics import MetricsLogger
 from vapo_megatron.trainer.preemption import PreemptionFlag
-from vapo_megatron.trainer.recipe import config_to_dict, dump_config
-from vapo_megatron.trainer.session import Session
-from vapo_megatron.trainer.step import run_step
+from vapo_megatron.trainer.session import Session, dist_timeout, init_distributed
+from vapo_megatron.weights import hf_io
+from vapo_megatron.weights.export import export_hf
 
 logger = logging.getLogger("vapo_megatron")
 PRETRAIN_SEED_KEY = 10**6  # critic-pretraining steps draw other seeds than VAPO steps
+
+
+def train(config: TrainConfig) -> dict:
+    """Run (or resume) the experiment; return the summary (also written to summary.json)."""
+    start = time.perf_counter()
+    run, resumed = open_run(config)
+    session = run.session
+    metrics_log = _metrics_logger(run)
+    flag = PreemptionFlag()
+    summary: dict = {"resumed": resumed}
+    try:
+        if run.stop_rule is not None and not run.state["pretrain_done"]:
+            if _pretrain_critic(run, metrics_log, flag):
+                return _preempted(run)
+            summary["critic_pretrain_steps"] = run.state["pretrain_step"]
+        _export_pretrained_critic(run)
+        evals = Evaluations(session, metrics_log)
+        if config.eval.at_start and run.state["step"] == 0:
+            evals.run(0)
+        while run.state["step"] < config.trainer.steps:
+            if _vapo_step(run, metrics_log, flag):
+                return _preempted(run)
+            if config.eval.every and run.state["step"] % config.eval.every == 0:
+                evals.run(run.state["step"])
+        run.save_final()
+        if session.eval is not None and config.eval.at_end:
+            summary["eval"] = evals.final(run.state["step"])
+        if config.trainer.export_hf:
+            summary["hf_policy"] = str(_export_policy(run))
+        summary.update(
+            steps=run.state["step"], critic_pretrain_steps=run.state["pretrain_step"],
+            seconds=time.perf_counter() - start, metrics=str(metrics_log.jsonl_path),
+        )  # fmt: skip
+        _write_summary(run, summary)
+        return summary
+    finally:
+        flag.uninstall()
+        metrics_log.close()
+        session.close()
+
+
+def open_run(config: TrainConfig) -> tuple[Run, bool]:
+    """Start-up on every rank: the process groups, the tiny model's files (model.create_tiny),
+    the run directory and the session; with trainer.resume=auto, the latest checkpoint.
+    Returns the run and whether it resumed."""
+    init_distributed(dist_timeout(config))
+    host = make_host_group(dist_timeout(config))
+    ensure_tiny_assets(config, host)
+    run_dir = prepare_run_dir(config, host)
+    run = Run(Session(config, run_dir, host_group=host))
+    resumed = config.trainer.resume == "auto" and run.resume()
+    _log_start(run, resumed)
+    return run, resumed
 
 
 def prepare_run_dir(config: TrainConfig, host_group: dist.ProcessGroup) -> Path:
@@ -55,39 +109,151 @@ def prepare_run_dir(config: TrainConfig, host_group: dist.ProcessGroup) -> Path:
     return run_dir
 
 
-def ensure_tiny_assets(config: TrainConfig, host_group: dist.ProcessGroup) -> None:
-    """model.create_tiny: rank 0 builds the tiny task and model where they are missing."""
-    model, data = config.model, config.data
-    if not model.create_tiny:
-        return
-    if dist.get_rank() == 0:
-        from vapo_megatron.data.synthetic import make_splits
-        from vapo_megatron.data.tiny_model import write_tiny_model
+def _metrics_logger(run: Run) -> MetricsLogger:
+    """The run's metrics (jsonl, and the recipe's TensorBoard, W&B and progress bar): rank 0."""
+    trainer = run.cfg.trainer
+    return MetricsLogger(
+        run.session.run_dir, total_steps=trainer.steps, start_step=run.state["step"],
+        tensorboard=trainer.tensorboard, wandb_project=trainer.wandb_project,
+        progress_bar=trainer.progress_bar, config=config_to_dict(run.cfg),
+        enabled=run.session.rank == 0,
+    )  # fmt: skip
 
-        train_path = Path(data.train_path)
-        eval_path = Path(data.eval_path) if data.eval_path else None
-        if not train_path.is_file() or (eval_path is not None and not eval_path.is_file()):
-            made_train, made_eval = make_splits(
-                train_path.parent, model.tiny_num_train, model.tiny_num_eval, model.tiny_seed
-            )
-            if made_train != train_path or (eval_path is not None and made_eval != eval_path):
-                raise ValueError(
-                    f"model.create_tiny writes {made_train} and {made_eval}; set "
-                    "data.train_path and data.eval_path to those names"
-                )
-            logger.info("tiny task written: %s, %s", made_train, made_eval)
-        if not (Path(model.path) / "config.json").is_file():
-            started = time.perf_counter()
-            write_tiny_model(
-                model.path, seed=model.tiny_seed, warmup_steps=model.tiny_warmup_steps,
-                train_path=train_path, template=data.template, slip_rate=model.tiny_slip_rate,
-                guess_rate=model.tiny_guess_rate,
+
+def _pretrain_critic(run: Run, metrics_log: MetricsLogger, flag: PreemptionFlag) -> bool:
+    """Critic pretraining (frozen policy, Monte-Carlo returns) until the stop rule says so, with
+    a checkpoint every ``trainer.checkpoint_every`` steps and at the end; True when a signal
+    stopped it (checkpoint saved)."""
+    session, host = run.session, run.session.host_group
+    every = run.cfg.trainer.checkpoint_every
+    while True:
+        run.before_step()
+        step = run.state["pretrain_step"] + 1
+        metrics = run_step(session, PRETRAIN_SEED_KEY + step, pretrain=True, pretrain_index=step)
+        run.state["pretrain_step"] = step
+        metrics_log.log(step, metrics, phase="critic_pretrain")
+        if run.stop_rule.update(step, metrics.get("critic/explained_variance", float("nan"))):
+            break
+        preempted = flag.should_save(host)
+        if preempted or (every and step % every == 0):
+            run.save(wait=preempted)
+        if preempted:
+            return True
+    run.state["pretrain_done"] = True
+    # Published before the critic's export: a run killed in between resumes from this
+    # checkpoint and exports then. Exported first, a restart would find the export without
+    # the checkpoint, skip pretraining and start VAPO where pretraining began.
+    run.save(wait=True)
+    return False
+
+
+def _export_pretrained_critic(run: Run) -> None:
+    """Write ``RUN_DIR/critic_pretrained`` from the critic at the end of its pretraining: now,
+    when this run pretrained it and no VAPO step has moved it yet; a later run (or
+    ``critic.pretrained``) loads it."""
+    session = run.session
+    out = session.pretrained_critic_dir()
+    if run.stop_rule is None or not run.state["pretrain_step"] or (out / "config.json").is_file():
+        return
+    if run.state["step"]:
+        if session.rank == 0:
+            logger.warning(
+                "%s is missing and the critic has been trained past its pretraining (step %d): "
+                "not exported; its pretrained weights are in checkpoint step %d",
+                out, run.state["step"], run.state["pretrain_step"],
             )  # fmt: skip
-            logger.info(
-                "tiny model written to %s (%d warm-up steps, %.0f s)",
-                model.path, model.tiny_warmup_steps, time.perf_counter() - started,
-            )  # fmt: skip
-    collectives.barrier(host_group)
+        return
+    config = run.cfg
+    export_hf(
+        session.critic, out, hf_config=hf_io.read_config(config.model.path),
+        assets_from=config.model.path, host_group=session.host_group,
+    )  # fmt: skip
+
+
+def _vapo_step(run: Run, metrics_log: MetricsLogger, flag: PreemptionFlag) -> bool:
+    """One VAPO step and its metrics, with a checkpoint every ``trainer.checkpoint_every``
+    steps (the last step's is written at the end) and on a signal; True when a signal stops
+    the run (checkpoint saved)."""
+    run.before_step()
+    step = run.state["step"] + 1
+    metrics = run_step(run.session, step, pretrain=False)
+    run.state["step"] = step
+    metrics_log.log(step, metrics, phase="train")
+    preempted = flag.should_save(run.session.host_group)
+    every = run.cfg.trainer.checkpoint_every
+    if preempted or (every and step % every == 0 and step < run.cfg.trainer.steps):
+        started = time.perf_counter()  # with checkpoint_async: the host copies only
+        run.save(wait=preempted)
+        metrics_log.log(step, {"seconds": time.perf_counter() - started}, phase="checkpoint")
+    return preempted
+
+
+class Evaluations:
+    """Held-out evaluation during the run (none without data.eval_path), each logged; the last
+    one is kept, so a run that evaluated its last step does not evaluate it again at the end."""
+
+    def __init__(self, session: Session, metrics_log: MetricsLogger) -> None:
+        self.session, self.metrics_log = session, metrics_log
+        self.last: tuple[int, dict[str, float]] | None = None
+
+    def run(self, step: int) -> dict[str, float] | None:
+        if self.session.eval is None:
+            return None
+        metrics = evaluate(self.session, step)
+        self.metrics_log.log(step, metrics, phase="eval")
+        self.last = (step, metrics)
+        return metrics
+
+    def final(self, step: int) -> dict[str, float] | None:
+        """The evaluation at ``step``, the run's last: the kept one if it was of that step."""
+        if self.last is not None and self.last[0] == step:
+            return self.last[1]
+        return self.run(step)
+
+
+def _export_policy(run: Run) -> Path:
+    """The trained policy as an HF directory, RUN_DIR/hf_policy (trainer.export_hf)."""
+    out = run.session.run_dir / "hf_policy"
+    export_hf(
+        run.session.policy, out, hf_config=hf_io.read_config(run.cfg.model.path),
+        assets_from=run.cfg.model.path, host_group=run.session.host_group,
+    )  # fmt: skip
+    return out
+
+
+def _write_summary(run: Run, summary: dict) -> None:
+    if run.session.rank == 0:
+        (run.session.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        logger.info("done: %s", json.dumps(summary))
+
+
+def _preempted(run: Run) -> dict:
+    if run.session.rank == 0:
+        logger.warning(
+            "signal received: checkpoint saved at %s; run the same command again to resume",
+            run.root,
+        )
+    return {"preempted": True, **run.state}
+
+
+def _log_start(run: Run, resumed: bool) -> None:
+    session = run.session
+    if session.rank != 0:
+        return
+    cfg = session.config
+    logger.info("train prompts: %s", session.train.report)
+    if session.eval is not None:
+        logger.info("eval prompts: %s", session.eval.report)
+    logger.info(
+        "world %d: policy %s, critic %s, %d vLLM replica(s) of TP %d",
+        session.world_size, cfg.policy.layout,
+        cfg.critic.layout if session.critic is not None else "none",
+        session.num_replicas, cfg.rollout.tensor_parallel_size,
+    )  # fmt: skip
+    if session.critic is not None:
+        logger.info("critic from %s", session.critic_source)
+    if resumed:
+        logger.info("resumed from %s at step %s", run.root, run.state)
 
 
 class Run:
@@ -154,6 +320,13 @@ class Run:
         if wait:
             self.saver.finish()
 
+    def save_final(self) -> None:
+        """At the end of the run: publish a checkpoint in flight, then write the last step's
+        unless it is already the newest (it was due at the last step)."""
+        self.saver.finish()
+        if latest_step(self.root) != self._checkpoint_index():
+            self.save(wait=True)
+
     def _checkpoint_index(self) -> int:
         # Pretraining steps and VAPO steps share one increasing checkpoint numbering.
         return self.state["pretrain_step"] + self.state["step"]
@@ -168,162 +341,3 @@ class Run:
             self.stop_rule.load_state_dict(extra["stop_rule"])
         self.session.rollout_synced = False
         return True
-
-
-def train(config: TrainConfig) -> dict:
-    """Run (or resume) the experiment; return the summary (also written to summary.json)."""
-    start = time.perf_counter()
-    from vapo_megatron.trainer.session import dist_timeout, init_distributed
-
-    init_distributed(dist_timeout(config))
-    host = make_host_group(dist_timeout(config))
-    ensure_tiny_assets(config, host)
-    run_dir = prepare_run_dir(config, host)
-    session = Session(config, run_dir, host_group=host)
-    run = Run(session)
-    resumed = config.trainer.resume == "auto" and run.resume()
-    is_rank0 = session.rank == 0
-    _log_start(session, run, resumed)
-    metrics_log = MetricsLogger(
-        run_dir, total_steps=config.trainer.steps, start_step=run.state["step"],
-        tensorboard=config.trainer.tensorboard, wandb_project=config.trainer.wandb_project,
-        progress_bar=config.trainer.progress_bar, config=config_to_dict(config), enabled=is_rank0,
-    )  # fmt: skip
-    flag = PreemptionFlag()
-    summary: dict = {"resumed": resumed}
-    try:
-        if run.stop_rule is not None and not run.state["pretrain_done"]:
-            if _pretrain_critic(run, metrics_log, flag):
-                return _preempted(session, run)
-            summary["critic_pretrain_steps"] = run.state["pretrain_step"]
-        _export_pretrained_critic(run)
-        last_eval = None
-        if session.eval is not None and config.eval.at_start and run.state["step"] == 0:
-            last_eval = (0, evaluate(session, 0))
-            metrics_log.log(0, last_eval[1], phase="eval")
-        while run.state["step"] < config.trainer.steps:
-            run.before_step()
-            step = run.state["step"] + 1
-            metrics = run_step(session, step, pretrain=False)
-            run.state["step"] = step
-            metrics_log.log(step, metrics, phase="train")
-            preempted = flag.should_save(host)
-            every = config.trainer.checkpoint_every
-            if preempted or (every and step % every == 0 and step < config.trainer.steps):
-                started = time.perf_counter()  # with checkpoint_async: the host copies only
-                run.save(wait=preempted)
-                metrics_log.log(
-                    step, {"seconds": time.perf_counter() - started}, phase="checkpoint"
-                )
-            if preempted:
-                return _preempted(session, run)
-            if session.eval is not None and config.eval.every and step % config.eval.every == 0:
-                last_eval = (step, evaluate(session, step))
-                metrics_log.log(step, last_eval[1], phase="eval")
-        run.saver.finish()
-        if latest_step(run.root) != run._checkpoint_index():
-            run.save(wait=True)
-        if session.eval is not None and config.eval.at_end:
-            if last_eval is not None and last_eval[0] == run.state["step"]:
-                final = last_eval[1]  # the last step was just evaluated: not twice
-            else:
-                final = evaluate(session, run.state["step"])
-                metrics_log.log(run.state["step"], final, phase="eval")
-            summary["eval"] = final
-        if config.trainer.export_hf:
-            export_hf(
-                session.policy, run_dir / "hf_policy",
-                hf_config=hf_io.read_config(config.model.path), assets_from=config.model.path,
-                host_group=host,
-            )  # fmt: skip
-            summary["hf_policy"] = str(run_dir / "hf_policy")
-        summary.update(
-            steps=run.state["step"], critic_pretrain_steps=run.state["pretrain_step"],
-            seconds=time.perf_counter() - start, metrics=str(metrics_log.jsonl_path),
-        )  # fmt: skip
-        if is_rank0:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            logger.info("done: %s", json.dumps(summary))
-        return summary
-    finally:
-        flag.uninstall()
-        metrics_log.close()
-        session.close()
-
-
-def _pretrain_critic(run: Run, metrics_log: MetricsLogger, flag: PreemptionFlag) -> bool:
-    """Critic pretraining (frozen policy, Monte-Carlo returns) until the stop rule says so, with
-    a checkpoint every ``trainer.checkpoint_every`` steps and at the end; True when a signal
-    stopped it (checkpoint saved)."""
-    session, host = run.session, run.session.host_group
-    every = run.cfg.trainer.checkpoint_every
-    while True:
-        run.before_step()
-        step = run.state["pretrain_step"] + 1
-        metrics = run_step(session, PRETRAIN_SEED_KEY + step, pretrain=True, pretrain_index=step)
-        run.state["pretrain_step"] = step
-        metrics_log.log(step, metrics, phase="critic_pretrain")
-        if run.stop_rule.update(step, metrics.get("critic/explained_variance", float("nan"))):
-            break
-        preempted = flag.should_save(host)
-        if preempted or (every and step % every == 0):
-            run.save(wait=preempted)
-        if preempted:
-            return True
-    run.state["pretrain_done"] = True
-    # Published before the critic's export: a run killed in between resumes from this
-    # checkpoint and exports then. Exported first, a restart would find the export without
-    # the checkpoint, skip pretraining and start VAPO where pretraining began.
-    run.save(wait=True)
-    return False
-
-
-def _export_pretrained_critic(run: Run) -> None:
-    """Write ``RUN_DIR/critic_pretrained`` from the critic at the end of its pretraining: now,
-    when this run pretrained it and no VAPO step has moved it yet; a later run (or
-    ``critic.pretrained``) loads it."""
-    session = run.session
-    out = session.pretrained_critic_dir()
-    if run.stop_rule is None or not run.state["pretrain_step"] or (out / "config.json").is_file():
-        return
-    if run.state["step"]:
-        if session.rank == 0:
-            logger.warning(
-                "%s is missing and the critic has been trained past its pretraining (step %d): "
-                "not exported; its pretrained weights are in checkpoint step %d",
-                out, run.state["step"], run.state["pretrain_step"],
-            )  # fmt: skip
-        return
-    config = run.cfg
-    export_hf(
-        session.critic, out, hf_config=hf_io.read_config(config.model.path),
-        assets_from=config.model.path, host_group=session.host_group,
-    )  # fmt: skip
-
-
-def _preempted(session: Session, run: Run) -> dict:
-    if session.rank == 0:
-        logger.warning(
-            "signal received: checkpoint saved at %s; run the same command again to resume",
-            run.root,
-        )
-    return {"preempted": True, **run.state}
-
-
-def _log_start(session: Session, run: Run, resumed: bool) -> None:
-    if session.rank != 0:
-        return
-    cfg = session.config
-    logger.info("train prompts: %s", session.train.report)
-    if session.eval is not None:
-        logger.info("eval prompts: %s", session.eval.report)
-    logger.info(
-        "world %d: policy %s, critic %s, %d vLLM replica(s) of TP %d",
-        session.world_size, cfg.policy.layout,
-        cfg.critic.layout if session.critic is not None else "none",
-        session.num_replicas, cfg.rollout.tensor_parallel_size,
-    )  # fmt: skip
-    if session.critic is not None:
-        logger.info("critic from %s", session.critic_source)
-    if resumed:
-        logger.info("resumed from %s at step %s", run.root, run.state)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Literal
 
 import torch
 from megatron.core.distributed import (
@@ -27,83 +25,37 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
+from vapo_megatron.config.gpu import GpuSettings, resolve
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.optim import OptimSettings
+from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.models.config import Head, HFModelConfig
-from vapo_megatron.models.gpu_settings import GpuSettings, resolve
-from vapo_megatron.models.hf_weights import gather_hf_weights, load_hf_weights
 from vapo_megatron.models.logprobs import VocabSlice
 from vapo_megatron.models.megatron_patches import apply_megatron_patches
 from vapo_megatron.models.provider import (
-    ModelLayout,
     build_model,
     check_local_attention_fits,
     default_layer_spec,
     layer_spec_kind,
     transformer_config,
 )
-from vapo_megatron.models.record import ModelRecord
 from vapo_megatron.parallel.devices import training_device
 from vapo_megatron.parallel.model_groups import ModelGroups, seed_rng_tracker
-
-if TYPE_CHECKING:  # trainer.config imports this module (OptimSettings)
-    from vapo_megatron.trainer.config import RecomputeSettings
+from vapo_megatron.weights.gather import gather_hf_weights, load_hf_weights
+from vapo_megatron.weights.record import ModelRecord
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(model output [b, s, V/tp] logits or [b, s, 1] values, micro-batch) -> (loss share, metrics)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimSettings:
-    """Adam settings of one model."""
-
-    lr: float = 1e-6
-    """Learning rate (VAPO: 1e-6 policy, 2e-6 critic)."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.95
-    """Adam beta2."""
-    adam_eps: float = 1e-8
-    """Adam epsilon."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this value (0: no clipping)."""
-    distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
-    lr_warmup_steps: int = 0
-    """Steps of linear warmup from 0 to lr (step k of the warmup uses lr * k / warmup)."""
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning-rate shape after the warmup, from lr down to min_lr."""
-    lr_decay_steps: int | None = None
-    """Step at which the decay reaches min_lr (counted from 0, warmup included); linear/cosine."""
-    min_lr: float = 0.0
-    """Learning rate at and after lr_decay_steps."""
-
-    def __post_init__(self) -> None:
-        if self.lr_decay_style not in ("constant", "linear", "cosine"):
-            raise ValueError(
-                f"lr_decay_style must be constant, linear or cosine, got {self.lr_decay_style!r}"
-            )
-        if self.lr_warmup_steps < 0 or not 0 <= self.min_lr <= self.lr:
-            raise ValueError(
-                f"need lr_warmup_steps >= 0 and 0 <= min_lr <= lr, got lr_warmup_steps="
-                f"{self.lr_warmup_steps}, min_lr={self.min_lr}, lr={self.lr}"
-            )
-        if self.lr_decay_style != "constant" and (
-            self.lr_decay_steps is None or self.lr_decay_steps <= self.lr_warmup_steps
-        ):
-            raise ValueError(
-                f"lr_decay_style={self.lr_decay_style!r} needs lr_decay_steps > lr_warmup_steps "
-                f"({self.lr_warmup_steps}), got {self.lr_decay_steps}; set lr_decay_steps to the "
-                f"total number of steps"
-            )
 
 
 class ModelEngine:
@@ -111,7 +63,7 @@ class ModelEngine:
 
     ``groups``: this model's process groups (:func:`build_model_groups`); None reads the
     layout megatron-core's ``parallel_state`` was initialised with (one layout per job).
-    ``recompute``: activation recompute (``trainer.config.RecomputeSettings``); None: off.
+    ``recompute``: activation recompute (``config.recompute.RecomputeSettings``); None: off.
     ``initialize``: False skips megatron's random initialisation, for a caller that loads
     every parameter next (``load_hf`` or a checkpoint; at 32B both models would otherwise be
     drawn on the GPU only to be overwritten).
@@ -133,29 +85,19 @@ class ModelEngine:
     ):
         layout.check(hf)
         apply_megatron_patches()  # GQA with fewer KV heads than TP ranks: the model's TP group
-        if groups is None:
-            groups = ModelGroups.from_parallel_state()
-        have = (groups.tp_size, groups.pp_size, groups.cp_size)
-        if have != (layout.tp, layout.pp, layout.cp):
-            raise ValueError(
-                f"layout tp, pp, cp = {(layout.tp, layout.pp, layout.cp)} but the process groups "
-                f"have {have}: build the groups with build_model_groups(tp=, pp=, cp=) of this "
-                f"layout"
-            )
-        self.hf, self.layout, self.head, self.groups = hf, layout, head, groups
-        seed_rng_tracker(groups)
-        pgs = groups.pg_collection
+        self.hf, self.layout, self.head = hf, layout, head
+        self.groups = _checked_groups(layout, groups)
+        seed_rng_tracker(self.groups)
         if layer_spec is None:
             layer_spec = default_layer_spec()
         # The record names the parameters of the spec the model is built with (TE fuses norms).
         self.record = ModelRecord(hf, head, layer_spec=layer_spec_kind(layer_spec))
-        bf16 = params_dtype == torch.bfloat16
         # Fusions and overlaps: all off on CPU. The overlaps' hooks are this engine's: it sets
-        # megatron's no_sync_func below and gathers parameters before reading them
+        # megatron's no_sync_func (_build_chunks) and gathers parameters before reading them
         # (gather_params; gpu_settings.py says why both are needed).
         self.gpu = resolve(
             gpu or GpuSettings(),
-            bf16=bf16,
+            bf16=params_dtype == torch.bfloat16,
             distributed_optimizer=optim.distributed_optimizer,
             overlap_hooks=True,
             name="critic" if head == "value" else "policy",
@@ -166,72 +108,20 @@ class ModelEngine:
             initialize=initialize,
         )  # fmt: skip
         self.config.finalize_model_grads_func = finalize_model_grads
-        ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=optim.distributed_optimizer, **self.gpu.ddp_config_kwargs()
-        )
-        self.chunks: list[DistributedDataParallel] = []
-        models = build_model(hf, self.config, head=head, pg_collection=pgs, layer_spec=layer_spec)
         self.device = training_device()
         """Where the model, its inputs and its collectives' tensors live."""
-        for i, model in enumerate(models):
-            # Megatron builds its layers on the GPU already (use_cpu_initialization=False);
-            # this moves what it does not own (RoPE buffers, the project's norms and value
-            # head) and is a no-op on CPU. Megatron-LM's get_model does the same.
-            model.to(self.device)
-            module = Float16Module(self.config, model) if bf16 else model
-            self.chunks.append(
-                DistributedDataParallel(
-                    self.config, ddp_config, module, disable_bucketing=i > 0, pg_collection=pgs
-                )
-            )
-        if self.gpu.overlap_grad_reduce:
-            # The schedule enters no_sync for all but the last micro-batch only through this;
-            # without it, a step with another number of micro-batches than the first would
-            # reduce buckets early (wrong gradients) or never (megatron's assertion).
-            no_sync = [chunk.no_sync for chunk in self.chunks]
-            self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        self.chunks = _build_chunks(
+            hf, self.config, self.gpu, head=head, layer_spec=layer_spec, device=self.device,
+            distributed_optimizer=optim.distributed_optimizer,
+            pg_collection=self.groups.pg_collection,
+        )  # fmt: skip
         self.compute_seconds = 0.0
         """Seconds spent in Megatron's schedule (forward/backward) and optimizer steps."""
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=optim.lr,
-                min_lr=optim.min_lr,
-                weight_decay=optim.weight_decay,
-                adam_beta1=optim.adam_beta1,
-                adam_beta2=optim.adam_beta2,
-                adam_eps=optim.adam_eps,
-                clip_grad=optim.clip_grad,
-                bf16=bf16,
-                params_dtype=params_dtype,
-                use_distributed_optimizer=optim.distributed_optimizer,
-                overlap_param_gather=self.gpu.overlap_param_gather,
-            ),
-            self.chunks,
-            # Megatron's extra gloo DP groups serve only legacy checkpoint formats.
-            use_gloo_process_groups=False,
-            pg_collection=pgs,
-        )
-        # It also sets each group's weight decay to weight_decay * megatron's wd_mult, which is
-        # 0 for biases and 1-D tensors (norms): only matrices decay.
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0,
-            max_lr=optim.lr,
-            min_lr=optim.min_lr,
-            lr_warmup_steps=optim.lr_warmup_steps,
-            # A constant schedule never reads the decay length; megatron wants one past warmup.
-            lr_decay_steps=(
-                optim.lr_warmup_steps + 1
-                if optim.lr_decay_style == "constant"
-                else optim.lr_decay_steps
-            ),
-            lr_decay_style=optim.lr_decay_style,
-            start_wd=optim.weight_decay,
-            end_wd=optim.weight_decay,
-            wd_incr_steps=1,
-            wd_incr_style="constant",
-        )
+        self.optimizer = _build_optimizer(
+            optim, self.chunks, self.gpu, params_dtype=params_dtype,
+            pg_collection=self.groups.pg_collection,
+        )  # fmt: skip
+        self.scheduler = _build_scheduler(self.optimizer, optim)
 
     @property
     def tp_rank(self) -> int:
@@ -320,27 +210,7 @@ class ModelEngine:
         Returns each micro-batch's metrics on the last pipeline stage ([] elsewhere). With
         forward_only, nothing is accumulated; loss_fn's metrics carry the outputs.
         """
-        if not micro_batches:
-            raise ValueError("run() needs at least one micro-batch")
-        lengths = {mb.seq_length for mb in micro_batches}
-        sizes = {mb.tokens.shape[0] for mb in micro_batches}
-        if len(sizes) > 1 or (self.layout.pp > 1 and len(lengths) > 1):
-            raise ValueError(
-                f"micro-batches must share one batch size and, with pp > 1, one length; got "
-                f"sizes {sorted(sizes)} and lengths {sorted(lengths)}: pad them to one shape"
-            )
-        if self.layout.sequence_parallel and any(
-            mb.seq_length % (self.layout.tp * self.layout.cp) for mb in micro_batches
-        ):
-            raise ValueError(
-                f"with sequence parallelism every row length must divide by tp * cp = "
-                f"{self.layout.tp * self.layout.cp}, got {sorted(lengths)}: pack or pad with "
-                f"pad_multiple={self.layout.tp}"
-            )
-        # On a GPU without Transformer Engine the dense local attention holds [s, s] scores.
-        check_local_attention_fits(
-            self.record.layer_spec, cp=self.layout.cp, row_tokens=max(lengths)
-        )
+        lengths, sizes = self._check_micro_batches(micro_batches)
         scale = len(micro_batches) * self.dp_size
 
         def loss_func(micro_batch: MicroBatch, output: torch.Tensor):
@@ -385,6 +255,34 @@ class ModelEngine:
             self.compute_seconds += time.perf_counter() - start
             return outputs
 
+    def _check_micro_batches(
+        self, micro_batches: Sequence[MicroBatch]
+    ) -> tuple[set[int], set[int]]:
+        """Refuse micro-batches the schedule cannot take; return their row lengths and batch
+        sizes."""
+        if not micro_batches:
+            raise ValueError("run() needs at least one micro-batch")
+        lengths = {mb.seq_length for mb in micro_batches}
+        sizes = {mb.tokens.shape[0] for mb in micro_batches}
+        if len(sizes) > 1 or (self.layout.pp > 1 and len(lengths) > 1):
+            raise ValueError(
+                f"micro-batches must share one batch size and, with pp > 1, one length; got "
+                f"sizes {sorted(sizes)} and lengths {sorted(lengths)}: pad them to one shape"
+            )
+        if self.layout.sequence_parallel and any(
+            mb.seq_length % (self.layout.tp * self.layout.cp) for mb in micro_batches
+        ):
+            raise ValueError(
+                f"with sequence parallelism every row length must divide by tp * cp = "
+                f"{self.layout.tp * self.layout.cp}, got {sorted(lengths)}: pack or pad with "
+                f"pad_multiple={self.layout.tp}"
+            )
+        # On a GPU without Transformer Engine the dense local attention holds [s, s] scores.
+        check_local_attention_fits(
+            self.record.layer_spec, cp=self.layout.cp, row_tokens=max(lengths)
+        )
+        return lengths, sizes
+
     def step(self) -> dict[str, float]:
         """Apply the accumulated gradients: Adam with clipping at the scheduled learning rate.
 
@@ -402,3 +300,112 @@ class ModelEngine:
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "lr": float(lr),
         }
+
+
+def _checked_groups(layout: ModelLayout, groups: ModelGroups | None) -> ModelGroups:
+    """``groups`` (None: the layout ``parallel_state`` was initialised with), refused unless
+    they have the layout's TP, PP and CP sizes."""
+    if groups is None:
+        groups = ModelGroups.from_parallel_state()
+    have = (groups.tp_size, groups.pp_size, groups.cp_size)
+    if have != (layout.tp, layout.pp, layout.cp):
+        raise ValueError(
+            f"layout tp, pp, cp = {(layout.tp, layout.pp, layout.cp)} but the process groups "
+            f"have {have}: build the groups with build_model_groups(tp=, pp=, cp=) of this "
+            f"layout"
+        )
+    return groups
+
+
+def _build_chunks(
+    hf: HFModelConfig,
+    config: TransformerConfig,
+    gpu: GpuSettings,
+    *,
+    head: Head,
+    layer_spec: ModuleSpec,
+    device: torch.device,
+    distributed_optimizer: bool,
+    pg_collection: ProcessGroupCollection,
+) -> list[DistributedDataParallel]:
+    """This rank's model chunks (one per virtual pipeline stage) on ``device``, each wrapped in
+    megatron's DDP (in Float16Module first with bf16). With overlap_grad_reduce it also sets
+    ``config.no_sync_func`` to the chunks' no_sync."""
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed_optimizer, **gpu.ddp_config_kwargs()
+    )
+    chunks: list[DistributedDataParallel] = []
+    models = build_model(hf, config, head=head, pg_collection=pg_collection, layer_spec=layer_spec)
+    for i, model in enumerate(models):
+        # Megatron builds its layers on the GPU already (use_cpu_initialization=False);
+        # this moves what it does not own (RoPE buffers, the project's norms and value
+        # head) and is a no-op on CPU. Megatron-LM's get_model does the same.
+        model.to(device)
+        module = Float16Module(config, model) if config.bf16 else model
+        chunks.append(
+            DistributedDataParallel(
+                config, ddp_config, module, disable_bucketing=i > 0, pg_collection=pg_collection
+            )
+        )
+    if gpu.overlap_grad_reduce:
+        # The schedule enters no_sync for all but the last micro-batch only through this;
+        # without it, a step with another number of micro-batches than the first would
+        # reduce buckets early (wrong gradients) or never (megatron's assertion).
+        no_sync = [chunk.no_sync for chunk in chunks]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return chunks
+
+
+def _build_optimizer(
+    optim: OptimSettings,
+    chunks: list[DistributedDataParallel],
+    gpu: GpuSettings,
+    *,
+    params_dtype: torch.dtype,
+    pg_collection: ProcessGroupCollection,
+) -> MegatronOptimizer:
+    """Megatron's Adam over the chunks (sharded over data-parallel ranks with
+    optim.distributed_optimizer). It sets each group's weight decay to weight_decay *
+    megatron's wd_mult, which is 0 for biases and 1-D tensors (norms): only matrices decay."""
+    return get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=optim.lr,
+            min_lr=optim.min_lr,
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1,
+            adam_beta2=optim.adam_beta2,
+            adam_eps=optim.adam_eps,
+            clip_grad=optim.clip_grad,
+            bf16=params_dtype == torch.bfloat16,
+            params_dtype=params_dtype,
+            use_distributed_optimizer=optim.distributed_optimizer,
+            overlap_param_gather=gpu.overlap_param_gather,
+        ),
+        chunks,
+        # Megatron's extra gloo DP groups serve only legacy checkpoint formats.
+        use_gloo_process_groups=False,
+        pg_collection=pg_collection,
+    )
+
+
+def _build_scheduler(optimizer: MegatronOptimizer, optim: OptimSettings) -> OptimizerParamScheduler:
+    """The learning rate's warmup and decay (optim.lr_*), weight decay held constant."""
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        # A constant schedule never reads the decay length; megatron wants one past warmup.
+        lr_decay_steps=(
+            optim.lr_warmup_steps + 1
+            if optim.lr_decay_style == "constant"
+            else optim.lr_decay_steps
+        ),
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )

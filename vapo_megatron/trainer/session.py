@@ -20,12 +20,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from vapo_megatron.config.checks import check_critic_start
+from vapo_megatron.config.gpu import GpuSettings
+from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.data.prompts import TokenizedPrompt, load_prompts, tokenize_prompts
 from vapo_megatron.data.sampler import PromptSampler
 from vapo_megatron.models import checkpoint as mckpt
-from vapo_megatron.models import hf_io
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.gpu_settings import GpuSettings
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.parallel.model_groups import (
@@ -36,8 +37,13 @@ from vapo_megatron.parallel.model_groups import (
 )
 from vapo_megatron.rewards.registry import check_data_sources, resolve_routing
 from vapo_megatron.run_log import native_stderr_to_rank_log
-from vapo_megatron.trainer.config import TrainConfig, check_critic_start
 from vapo_megatron.trainer.model_engine import ModelEngine
+from vapo_megatron.weights import hf_io
+from vapo_megatron.weights.critic import (
+    critic_from_policy,
+    policy_hf_tensors,
+    reward_model_hf_tensors,
+)
 
 logger = logging.getLogger("vapo_megatron")
 
@@ -99,28 +105,6 @@ def read_prompts(config: TrainConfig, path: str, tokenizer, routing) -> Prompts:
     return Prompts(items, report)
 
 
-def _policy_hf_tensors(model_path: str) -> dict[str, torch.Tensor]:
-    source = hf_io.HFCheckpoint(model_path)
-    if "score.weight" in source.names:
-        raise ValueError(
-            f"model.path={model_path} is a reward/score model (it has score.weight), not a "
-            "policy; point model.path at the policy and critic.init_path at the reward model"
-        )
-    return dict(source.read(source.names))
-
-
-def critic_from_policy(
-    policy: dict[str, torch.Tensor], hf: HFModelConfig, std: float, seed: int
-) -> dict[str, torch.Tensor]:
-    """A critic's HF tensors from a policy's: its trunk, no lm_head, and a new value head
-    (``score.weight`` [1, hidden], normal with ``std``, seeded)."""
-    tensors = {k: v for k, v in policy.items() if k != "lm_head.weight"}
-    generator = torch.Generator().manual_seed(seed)
-    head = torch.randn(1, hf.hidden_size, generator=generator, device="cpu") * std
-    tensors["score.weight"] = head.to(next(iter(policy.values())).dtype)
-    return tensors
-
-
 def build_groups(
     config: TrainConfig, host_group: dist.ProcessGroup
 ) -> tuple[ModelGroups, ModelGroups | None]:
@@ -170,8 +154,6 @@ class Session:
     def __init__(
         self, config: TrainConfig, run_dir: Path, host_group: dist.ProcessGroup | None = None
     ) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
         self.run_dir = run_dir
         init_distributed(dist_timeout(config))
@@ -185,6 +167,19 @@ class Session:
             config, has_pretrained_critic=_is_model_dir(self.pretrained_critic_dir())
         )
         torch.manual_seed(config.trainer.seed)
+        self._read_data()
+        self._build_models()
+        self.rollout = self._start_rollout()
+        self.rollout_synced = False
+        """Whether the engine holds the policy's current weights."""
+        self.data_path: str | None = None
+        """The route of the last step's per-token outputs ("shards"/"flat"), logged when it changes."""
+
+    def _read_data(self) -> None:
+        """The tokenizer and stop tokens, the graders, the prompt sets and the train sampler."""
+        from transformers import AutoTokenizer
+
+        config = self.config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.stop_token_ids = stop_token_ids(self.tokenizer, config.model.path)
         import_plugins(config.reward.plugins)
@@ -198,27 +193,34 @@ class Session:
         self.sampler = PromptSampler(
             len(self.train.items), seed=config.trainer.seed, shuffle=config.data.shuffle
         )
+
+    def _build_models(self) -> None:
+        """Both models' process groups and engines, with their weights (collective)."""
+        config = self.config
         self.hf = HFModelConfig.from_hf(hf_io.read_config(config.model.path))
         self.policy_groups, self.critic_groups = build_groups(config, self.host_group)
         self.policy = build_engine(config, self.hf, "policy", self.policy_groups)
-        policy_tensors = None
+        policy_tensors = self._load_policy()
+        self.critic = None
+        if config.algorithm.uses_critic:
+            self.critic = build_engine(config, self.hf, "critic", self.critic_groups)
+            self._init_critic(policy_tensors)
+
+    def _load_policy(self) -> dict[str, torch.Tensor] | None:
+        """Policy weights from policy.load (a Megatron checkpoint), else from model.path;
+        returns the HF tensors it read (the critic may start from them), None from a
+        checkpoint."""
+        config = self.config
         if config.policy.load:
             mckpt.load_model_weights(
                 self.policy.chunks, config.policy.load, hf=self.hf, head="lm",
                 dp_cp_group=self.policy.groups.pg_collection.dp_cp, host_group=self.host_group,
             )  # fmt: skip
             self.policy.optimizer.reload_model_params()
-        else:
-            policy_tensors = _policy_hf_tensors(config.model.path)
-            self.policy.load_hf(policy_tensors)
-        self.critic = None
-        if config.algorithm.uses_critic:
-            self.critic = build_engine(config, self.hf, "critic", self.critic_groups)
-            self._init_critic(policy_tensors)
-        del policy_tensors
-        self.rollout = self._start_rollout()
-        self.rollout_synced = False
-        """Whether the engine holds the policy's current weights."""
+            return None
+        policy_tensors = policy_hf_tensors(config.model.path)
+        self.policy.load_hf(policy_tensors)
+        return policy_tensors
 
     def _init_critic(self, policy_tensors: dict[str, torch.Tensor] | None) -> None:
         """Critic weights: a pretrained critic (this run's or critic.pretrained), else a reward
@@ -241,7 +243,7 @@ class Session:
             self.critic_source = f"{config.critic.init_path} ({config.algorithm.critic_init})"
             return
         if policy_tensors is None:
-            policy_tensors = _policy_hf_tensors(config.model.path)
+            policy_tensors = policy_hf_tensors(config.model.path)
         self.critic.load_hf(
             critic_from_policy(
                 policy_tensors, self.hf, config.critic.value_head_init_std, config.trainer.seed
@@ -262,14 +264,7 @@ class Session:
             )  # fmt: skip
             self.critic.optimizer.reload_model_params()
             return
-        source = hf_io.HFCheckpoint(path)
-        if "score.weight" not in source.names:
-            raise ValueError(
-                f"{path} has no score.weight: not a critic or reward model. Give a "
-                "*ForSequenceClassification directory or a critic checkpoint (tools/convert.py "
-                "hf-to-mcore --critic-from reward-model)"
-            )
-        self.critic.load_hf(dict(source.read(source.names)))
+        self.critic.load_hf(reward_model_hf_tensors(path))
 
     def _start_rollout(self):
         """The engine, started from random weights (the first sync overwrites every one). With
@@ -278,7 +273,7 @@ class Session:
         engine goes to sleep at once, which brings the training state back."""
         offload = None
         if self.config.rollout.offload_training_state:
-            from vapo_megatron.rollout.sleep_state import TrainingOffload
+            from vapo_megatron.trainer.offload import TrainingOffload
 
             offload = TrainingOffload(self.policy, self.critic)
             offload.offload_all()
