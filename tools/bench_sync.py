@@ -10,7 +10,7 @@ on both ranks at once. From the same run, best of 3 each:
   preallocated buffers), nothing else: the floor for any sync on this machine;
 - stream: the weight stream alone (gathers + conversion to HF tensors, fresh buffers);
 - engine: the engine's load alone, from HF tensors already in memory;
-- sync: ``push_policy_weights`` as the trainer runs it (trainer/step.py: the stream's plan,
+- sync: ``push_policy_weights`` as the trainer runs it (weights/sync.py: the stream's plan,
   a pool of gather buffers of its own, serial on CPU), split into the time inside the
   engine's loaders and the time producing the stream; the same with the stream produced one
   message ahead in a thread (``prefetch=True``); with one pool kept across syncs (warm
@@ -92,7 +92,7 @@ def transport_plan(engine, tp_group):
     """(local shard, gather buffer) of every tensor the stream all-gathers, in its order."""
     import torch.distributed as dist
 
-    from vapo_megatron.models.hf_weights import gather_pieces, tp_gathers
+    from vapo_megatron.weights.gather import gather_pieces, tp_gathers
 
     tp = dist.get_world_size(tp_group)
     plan = []
@@ -109,21 +109,19 @@ def sync_peak(rollout, sync) -> int:
     return rollout.peak_memory()[0] - rss_before
 
 
-def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
+def build(hf_dir: str, engine_tp: int, quick: bool):
+    """(HF tensors, Megatron policy at TP=2, this rank's engine replica, its start seconds): a
+    synthetic Qwen2 policy, saved to ``hf_dir`` for the engines to start from."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from vapo_megatron.config.layout import ModelLayout
+    from vapo_megatron.config.optim import OptimSettings
     from vapo_megatron.models.config import HFModelConfig
-    from vapo_megatron.models.hf_weights import GatherBuffers
-    from vapo_megatron.models.provider import ModelLayout
     from vapo_megatron.parallel.cpu_shim import initialize_megatron_cpu
     from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
-    from vapo_megatron.rollout.weight_stream import stream_policy_weights
-    from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
-    from vapo_megatron.weights.sync import push_policy_weights
+    from vapo_megatron.trainer.model_engine import ModelEngine
 
-    torch.set_num_threads(1)
     initialize_megatron_cpu(tp=2)
     config = Qwen2Config(**(QUICK if quick else CONFIG))
     torch.manual_seed(0)
@@ -131,7 +129,6 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
     if dist.get_rank() == 0:
         Qwen2ForCausalLM(config).save_pretrained(hf_dir)
     dist.barrier()
-    total_bytes = sum(t.numel() * t.element_size() for t in state.values())
     hf = HFModelConfig.from_hf(config.to_dict())
     engine = ModelEngine(hf, ModelLayout(tp=2), head="lm", optim=OptimSettings())
     engine.load_hf(state)
@@ -142,76 +139,117 @@ def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
             kv_cache_bytes=64 << 20, seed=dist.get_rank() // engine_tp,
         )
     )  # fmt: skip
-    start_s = time.perf_counter() - start
-    tp_group = ps.get_tensor_model_parallel_group()
+    return state, engine, rollout, time.perf_counter() - start
 
-    def stream():
-        return stream_policy_weights(
-            engine.chunks, engine.record, engine.config, tp_group=tp_group,
-            pp_group=ps.get_pipeline_model_parallel_group(), bucket_bytes=BUCKET_BYTES,
-        )  # fmt: skip
 
-    plan = transport_plan(engine, tp_group)
-    transport_bytes = sum(full.numel() * full.element_size() for _, full in plan)
-
-    def transport():
-        for local, full in plan:
-            dist.all_gather_into_tensor(full, local, group=tp_group)
-
-    kept = GatherBuffers(limit_bytes=BUCKET_BYTES)  # warm buffers kept from one sync to the next
+def sync_paths(engine, rollout, kept) -> dict:
+    """The syncs timed and measured for memory: as the trainer runs it (weights/sync.py: the
+    stream's plan, a pool of gather buffers of its own, serial on CPU), with one pool ``kept``
+    across syncs, and without the plan (as before it; gate/up already gathered apart)."""
+    from vapo_megatron.weights.sync import push_policy_weights
 
     def sync(prefetch=None, buffers=None):
-        """The trainer's sync (trainer/step.py): the stream's plan, a pool of its own per sync."""
         return push_policy_weights(
             engine, rollout, bucket_bytes=BUCKET_BYTES, buffers=buffers, prefetch=prefetch
         )
 
     def sync_before():
-        """The trainer's sync without the plan (as before it; gate/up already gathered apart)."""
-        return rollout.update_weights((t for b in stream() for t in b), bucket_bytes=BUCKET_BYTES)
+        return rollout.update_weights(
+            (t for b in stream_alone(engine) for t in b), bucket_bytes=BUCKET_BYTES
+        )
 
-    targets = {k: torch.empty_like(v) for k, v in state.items()}
-    syncs = {"sync": sync, "sync_kept": lambda: sync(buffers=kept), "sync_before": sync_before}
-    timed = best_of_each(
-        {
-            "memcpy": lambda: [targets[k].copy_(v) for k, v in state.items()],
-            "transport": transport,
-            "stream": lambda: [None for _ in stream()],
-            "engine": lambda: rollout.update_weights(state.items(), bucket_bytes=BUCKET_BYTES),
-            "prefetch": lambda: sync(prefetch=True),
-            **syncs,
-        }
-    )
-    targets.clear()
+    return {"sync": sync, "sync_kept": lambda: sync(buffers=kept), "sync_before": sync_before}
+
+
+def stream_alone(engine):
+    """The weight stream, consumed by nobody but the caller (fresh buffers)."""
+    from megatron.core import parallel_state as ps
+
+    from vapo_megatron.weights.stream import stream_policy_weights
+
+    return stream_policy_weights(
+        engine.chunks, engine.record, engine.config,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(), bucket_bytes=BUCKET_BYTES,
+    )  # fmt: skip
+
+
+def reference_paths(engine, rollout, state, targets) -> tuple[dict, int]:
+    """The paths a sync is compared with (memcpy into ``targets``, the transport, the stream
+    alone, the engine's load alone) and the bytes the transport all-gathers per rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    plan = transport_plan(engine, tp_group)
+
+    def transport():
+        for local, full in plan:
+            dist.all_gather_into_tensor(full, local, group=tp_group)
+
+    paths = {
+        "memcpy": lambda: [targets[k].copy_(v) for k, v in state.items()],
+        "transport": transport,
+        "stream": lambda: [None for _ in stream_alone(engine)],
+        "engine": lambda: rollout.update_weights(state.items(), bucket_bytes=BUCKET_BYTES),
+    }
+    return paths, sum(full.numel() * full.element_size() for _, full in plan)
+
+
+def sync_peaks(rollout, syncs: dict) -> dict:
+    """{sync: peak extra resident bytes of this rank}, the most of 3 rounds taken in turn (as
+    the timings)."""
     peaks = {name: 0 for name in syncs}
-    for _ in range(3):  # in turn, as the timings
+    for _ in range(3):
         for name, fn in syncs.items():
             peaks[name] = max(peaks[name], sync_peak(rollout, fn))
-    peak_extra, peak_kept, peak_before = peaks.values()
-    stats = timed["sync"][1]
+    return peaks
+
+
+def worker(hf_dir: str, engine_tp: int, quick: bool) -> None:
+    import torch.distributed as dist
+
+    from vapo_megatron.weights.gather import GatherBuffers
+
+    torch.set_num_threads(1)
+    state, engine, rollout, start_s = build(hf_dir, engine_tp, quick)
+    kept = GatherBuffers(limit_bytes=BUCKET_BYTES)  # warm buffers kept from one sync to the next
+    syncs = sync_paths(engine, rollout, kept)
+    targets = {k: torch.empty_like(v) for k, v in state.items()}
+    references, transport_bytes = reference_paths(engine, rollout, state, targets)
+    prefetch = {"prefetch": lambda: syncs["sync"](prefetch=True)}
+    timed = best_of_each({**references, **prefetch, **syncs})
+    targets.clear()
+    peaks = sync_peaks(rollout, syncs)
     # The synced engine must hold the Megatron weights: it generates after the sync.
     rollout.generate([[1, 2, 3]], n=1, temperature=0.0, max_new_tokens=2)
     per_rank = [None] * dist.get_world_size()
     mine = dict(
-        peak=peak_extra, peak_kept=peak_kept, peak_before=peak_before, kept=kept.nbytes(),
-        cpu={k: v[2] for k, v in timed.items()},
+        peak=peaks["sync"], peak_kept=peaks["sync_kept"], peak_before=peaks["sync_before"],
+        kept=kept.nbytes(), cpu={k: v[2] for k, v in timed.items()},
     )  # fmt: skip
     dist.all_gather_object(per_rank, mine)
     if dist.get_rank() == 0:
-        result = dict(
-            engine_tp=engine_tp, bytes=total_bytes, transport_bytes=transport_bytes,
-            start_s=start_s, bucket_bytes=BUCKET_BYTES, num_buckets=stats.num_buckets,
-            sync_load_s=stats.load_seconds, sync_wait_s=stats.wait_seconds,
-            peak_extra_bytes=[r["peak"] for r in per_rank], cpu=[r["cpu"] for r in per_rank],
-            peak_kept_bytes=[r["peak_kept"] for r in per_rank],
-            peak_before_bytes=[r["peak_before"] for r in per_rank],
-            kept_bytes=[r["kept"] for r in per_rank],
-            load_average=os.getloadavg()[0],
-            **{f"{k}_s": v[0] for k, v in timed.items()},
-        )  # fmt: skip
-        print("RESULT " + json.dumps(result))
+        total_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        sizes = dict(engine_tp=engine_tp, bytes=total_bytes, transport_bytes=transport_bytes)
+        print("RESULT " + json.dumps(result_row(sizes, start_s, timed, per_rank)))
     dist.barrier()
     rollout.shutdown()
+
+
+def result_row(sizes: dict, start_s: float, timed: dict, per_rank: list[dict]) -> dict:
+    """Rank 0's RESULT line: sizes, times, and every rank's peaks and CPU shares."""
+    stats = timed["sync"][1]
+    return dict(
+        **sizes, start_s=start_s, bucket_bytes=BUCKET_BYTES, num_buckets=stats.num_buckets,
+        sync_load_s=stats.load_seconds, sync_wait_s=stats.wait_seconds,
+        peak_extra_bytes=[r["peak"] for r in per_rank], cpu=[r["cpu"] for r in per_rank],
+        peak_kept_bytes=[r["peak_kept"] for r in per_rank],
+        peak_before_bytes=[r["peak_before"] for r in per_rank],
+        kept_bytes=[r["kept"] for r in per_rank],
+        load_average=os.getloadavg()[0],
+        **{f"{k}_s": v[0] for k, v in timed.items()},
+    )  # fmt: skip
 
 
 def launch(engine_tp: int, quick: bool, extra_env: dict[str, str] | None = None) -> dict:

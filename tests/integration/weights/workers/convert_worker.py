@@ -24,12 +24,13 @@ import torch.distributed as dist
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
+from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models import checkpoint as ckpt
-from vapo_megatron.models import convert as conv
-from vapo_megatron.models.hf_io import HFCheckpoint
-from vapo_megatron.models.provider import ModelLayout, build_model, transformer_config
-from vapo_megatron.models.record import ModelChunk
+from vapo_megatron.models.provider import build_model, transformer_config
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
+from vapo_megatron.weights import convert as conv
+from vapo_megatron.weights.hf_io import HFCheckpoint
+from vapo_megatron.weights.record import ModelChunk
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
 

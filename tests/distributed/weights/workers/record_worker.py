@@ -26,8 +26,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.record import ModelChunk, ModelRecord
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
+from vapo_megatron.weights.record import ModelChunk, ModelRecord
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (4, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
 BATCH, SEQ, VOCAB = 2, 32, 250

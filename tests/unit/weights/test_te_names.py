@@ -19,11 +19,13 @@ import types
 import pytest
 import torch
 
-from tests.unit.test_model_record import megatron_config, qwen2_config, random_hf_state
-from vapo_megatron.models import hf_weights, provider
+from tests.unit.weights.test_record import megatron_config, qwen2_config, random_hf_state
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.models import provider
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.record import ModelChunk, ModelRecord
-from vapo_megatron.rollout.weight_stream import stream_plan
+from vapo_megatron.weights import gather
+from vapo_megatron.weights.record import ModelChunk, ModelRecord
+from vapo_megatron.weights.stream import stream_plan
 
 pytestmark = pytest.mark.unit
 
@@ -215,19 +217,19 @@ def test_te_named_chunk_loads_and_streams_out_exactly(case):
     shards = record.hf_to_megatron_shards(hf_state, 0, 1, chunk)
     for name, param in model.named_parameters():
         param.data = torch.full_like(shards[name], float("nan"))
-    hf_weights.load_hf_weights([model], record, hf_state, config, tp_rank=0, pp_rank=0)
+    gather.load_hf_weights([model], record, hf_state, config, tp_rank=0, pp_rank=0)
     for name, param in model.named_parameters():
         assert torch.equal(param, shards[name]), name
-    out = list(hf_weights.gather_hf_weights([model], record, config, tp_group=None, pp_rank=0))
+    out = list(gather.gather_hf_weights([model], record, config, tp_group=None, pp_rank=0))
     assert [n for n, _ in out] == [n for n, _ in stream_plan(record, config, pp_size=1)]
     for name, tensor in out:
         assert torch.equal(tensor, hf_state[name]), name
     # The local record does not fit a TE model: a ValueError that names the cure.
     local = ModelRecord(record.config, record.head)
     with pytest.raises(ValueError, match="layer_spec_kind"):
-        hf_weights.load_hf_weights([model], local, hf_state, config, tp_rank=0, pp_rank=0)
+        gather.load_hf_weights([model], local, hf_state, config, tp_rank=0, pp_rank=0)
     with pytest.raises(ValueError, match="layer_spec_kind"):
-        list(hf_weights.gather_hf_weights([model], local, config, tp_group=None, pp_rank=0))
+        list(gather.gather_hf_weights([model], local, config, tp_group=None, pp_rank=0))
 
 
 def test_te_unknown_names_still_raise():
@@ -252,7 +254,7 @@ def test_te_unknown_names_still_raise():
     )
     config = megatron_config(record, 1, 1)
     with pytest.raises(ValueError, match="model only"):
-        hf_weights.load_hf_weights([model], record, hf_state, config, tp_rank=0, pp_rank=0)
+        gather.load_hf_weights([model], record, hf_state, config, tp_rank=0, pp_rank=0)
     with pytest.raises(ValueError, match="layer_spec must be"):
         ModelRecord(record.config, "lm", layer_spec="transformer_engine")
 
@@ -410,9 +412,7 @@ def test_local_attention_refusals_on_a_gpu():
 
 def test_build_model_refuses_context_parallelism_on_cuda_without_te(cuda_present):
     hf = HFModelConfig.from_hf(qwen2_config(layers=2))
-    config = provider.transformer_config(
-        hf, provider.ModelLayout(cp=2), use_cpu_initialization=True
-    )
+    config = provider.transformer_config(hf, ModelLayout(cp=2), use_cpu_initialization=True)
 
     class Group:
         def __init__(self, size):

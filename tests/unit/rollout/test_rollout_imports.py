@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 FORBIDDEN = ("megatron", "vapo_megatron.models")
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.launcher import REPO_ROOT, run_workers
 from vapo_megatron.models import checkpoint as ckpt
-from vapo_megatron.models.hf_io import HFCheckpoint
+from vapo_megatron.weights.hf_io import HFCheckpoint
 
 pytestmark = pytest.mark.integration
 

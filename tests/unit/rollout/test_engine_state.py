@@ -166,9 +166,9 @@ def test_the_trainer_sleeps_at_level_2_by_default(monkeypatch):
     """The trainer syncs every step, so its engines sleep at level 2 unless the recipe says 1
     (RolloutConfig's own default stays 1 for direct users, who may wake without a sync)."""
     pytest.importorskip("vllm")
+    from vapo_megatron.config.recipe import load_recipe
     from vapo_megatron.rollout import engine as engine_module
     from vapo_megatron.trainer import session
-    from vapo_megatron.trainer.recipe import load_recipe
 
     seen = []
     monkeypatch.setattr(engine_module, "RolloutEngine", lambda config, **kw: seen.append(config))

@@ -12,11 +12,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
-from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
-from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
+from vapo_megatron.trainer.model_engine import ModelEngine
+from vapo_megatron.weights.stream import stream_plan, stream_policy_weights
 
 BUCKET = 64 * 1024
 
