@@ -36,8 +36,8 @@ from demo import DEFAULT_RECIPE, pass_rate, prepare_assets  # noqa: E402
 from plot_curves import read_metrics  # noqa: E402
 
 from vapo_megatron.algorithms.presets import PRESETS  # noqa: E402
-from vapo_megatron.trainer.config import TrainConfig  # noqa: E402
-from vapo_megatron.trainer.recipe import load_recipe  # noqa: E402
+from vapo_megatron.config.recipe import load_recipe  # noqa: E402
+from vapo_megatron.config.train import TrainConfig  # noqa: E402
 
 # Table 1's rows in its order, then the baselines the paper compares with elsewhere.
 ROWS = (

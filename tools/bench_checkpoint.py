@@ -50,8 +50,8 @@ def _worker(shape: str, root: Path, distopt: bool) -> None:
     import torch.distributed as dist
     from transformers import Qwen2Config
 
+    from vapo_megatron.config.layout import ModelLayout
     from vapo_megatron.models.config import HFModelConfig
-    from vapo_megatron.models.provider import ModelLayout
     from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
     from vapo_megatron.parallel.model_groups import build_model_groups
     from vapo_megatron.trainer.checkpointing import CheckpointSaver, TrainableState
@@ -61,7 +61,8 @@ def _worker(shape: str, root: Path, distopt: bool) -> None:
     hf_config = Qwen2Config(**spec, max_position_embeddings=512, tie_word_embeddings=False)
     hf = HFModelConfig.from_hf(hf_config.to_dict())
     initialize_megatron_cpu()
-    from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
+    from vapo_megatron.config.optim import OptimSettings
+    from vapo_megatron.trainer.model_engine import ModelEngine
 
     groups = build_model_groups(tp=1, pp=1, cp=1)
     optim = OptimSettings(lr=1e-4, distributed_optimizer=distopt)

@@ -241,7 +241,8 @@ def _megatron_outputs(
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from vapo_megatron.models.provider import ModelLayout, build_model, transformer_config
+    from vapo_megatron.config.layout import ModelLayout
+    from vapo_megatron.models.provider import build_model, transformer_config
 
     layout = ModelLayout(
         tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size()

@@ -29,9 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vapo_megatron.config.layout import ModelLayout  # noqa: E402
 from vapo_megatron.models import memory_plan as mp  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
-from vapo_megatron.models.provider import ModelLayout  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     config = None
     try:
         if args.recipe:
-            from vapo_megatron.trainer.recipe import load_recipe
+            from vapo_megatron.config.recipe import load_recipe
 
             config = load_recipe(args.recipe, args.set)
         name, hf = read_model(args.model, config.model.path if config else None)

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_dependencies()
     setup_logging()
     args = parse_args(argv)
+    from vapo_megatron.config.recipe import load_recipe
     from vapo_megatron.parallel.local_launch import relaunch_as_local_ranks, under_launcher
-    from vapo_megatron.trainer.recipe import load_recipe
 
     try:
         config = load_recipe(args.recipe, args.overrides)

@@ -68,7 +68,7 @@ def assets(tmp_path_factory) -> Path:
     demo = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(DEMO.parent))
     spec.loader.exec_module(demo)
-    from vapo_megatron.trainer.recipe import load_recipe
+    from vapo_megatron.config.recipe import load_recipe
 
     root = tmp_path_factory.mktemp("demo_assets")
     built = demo.prepare_assets(load_recipe(RECIPE, short_overrides(root)), log=lambda _: None)

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from tests.launcher import REPO_ROOT
+from vapo_megatron.config.recipe import load_recipe
 from vapo_megatron.data.synthetic import make_splits
-from vapo_megatron.trainer.recipe import load_recipe
 
 pytestmark = pytest.mark.unit
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models import memory_plan as mp
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.logprobs import LOGPROB_CHUNK_TOKENS
-from vapo_megatron.models.provider import ModelLayout
 
 REPO = Path(__file__).resolve().parents[2]
 

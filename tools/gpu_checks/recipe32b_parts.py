@@ -24,19 +24,19 @@ from contextlib import contextmanager
 
 import torch
 from megatron.core.utils import unwrap_model
+from vapo_megatron.trainer.loss_fns import logprob_scoring_fn, value_scoring_fn
+from vapo_megatron.trainer.shard_path import ShardInputs, choose_path, run_shard_path, step_share
+from vapo_megatron.trainer.step import UpdateData, minibatch_indices, update_minibatch
 
 from gpu_checks.compare import max_change, param_snapshot
 from gpu_checks.context import Context
 from gpu_checks.frame import check
 from gpu_checks.tiny import LOGIT_TOLERANCE, OPTIM, SEED, TOKEN_BUDGET
-from vapo_megatron.models.gpu_settings import GpuSettings
+from vapo_megatron.config.gpu import GpuSettings
+from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.trainer.config import RecomputeSettings
-from vapo_megatron.trainer.loss_fns import logprob_scoring_fn, value_scoring_fn
 from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.trainer.session import critic_from_policy
-from vapo_megatron.trainer.shard_path import ShardInputs, choose_path, run_shard_path, step_share
-from vapo_megatron.trainer.step import UpdateData, minibatch_indices, update_minibatch
 
 STEPS = 3
 """Steps in a row: Adam's state exists from the first; the overlaps' hooks see each step's

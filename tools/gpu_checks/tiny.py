@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from vapo_megatron.models.record import ModelChunk, ModelRecord
+from vapo_megatron.trainer.batching import Ragged, response_offsets
 
+from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.models import hf_io
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.record import ModelChunk, ModelRecord
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.trainer.batching import Ragged, response_offsets
-from vapo_megatron.trainer.model_engine import OptimSettings
 
 SEED = 1234
 HF_CONFIG = {

@@ -16,7 +16,7 @@ megatron would load the first row of an LM head into a value head without a word
 :func:`check_compatible` refuses a policy checkpoint for a critic and vice versa.
 
 :func:`save_model_weights` and :func:`load_model_weights` (this rank's chunks) serve the
-trainer; conversion from and to HF is ``models/convert.py``.
+trainer; conversion from and to HF is ``weights/convert.py``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
-from vapo_megatron.models import hf_io
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.parallel import collectives
+from vapo_megatron.weights import hf_io
 
 METADATA_NAME = "vapo_checkpoint.json"
 ASSETS_DIR = "hf_assets"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -27,8 +26,9 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
+from vapo_megatron.config.gpu import ResolvedGpuSettings
+from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import Head, HFModelConfig
-from vapo_megatron.models.gpu_settings import ResolvedGpuSettings
 from vapo_megatron.models.norm import RMSNorm
 from vapo_megatron.models.record import LayerSpecKind
 from vapo_megatron.models.value_head import ValueHead
@@ -36,42 +36,6 @@ from vapo_megatron.parallel.devices import init_device
 from vapo_megatron.parallel.model_groups import layout_sizes
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelLayout:
-    """How one model (policy or critic) is split; data parallelism takes the remaining ranks."""
-
-    tp: int = 1
-    """Tensor-parallel size."""
-    pp: int = 1
-    """Pipeline-parallel size."""
-    cp: int = 1
-    """Context-parallel size."""
-    vpp: int | None = None
-    """Virtual pipeline stages per pipeline rank (interleaved schedule); None: off."""
-    sequence_parallel: bool = False
-    """Shard norms' and dropouts' activations along the sequence across TP (needs tp > 1)."""
-
-    def check(self, hf: HFModelConfig) -> None:
-        """ValueError naming the value and the fix for a layout the model cannot take."""
-        if min(self.tp, self.pp, self.cp) < 1 or (self.vpp is not None and self.vpp < 1):
-            raise ValueError(f"parallel sizes must be >= 1, got {self}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel needs tp > 1; set sequence_parallel=false")
-        if self.vpp is not None and self.pp == 1:
-            raise ValueError("virtual pipeline stages (vpp) need pp > 1; set vpp=null")
-        kv = hf.num_key_value_heads
-        if hf.num_attention_heads % self.tp or (kv % self.tp and self.tp % kv):
-            raise ValueError(
-                f"tp={self.tp} must divide num_attention_heads={hf.num_attention_heads}, and "
-                f"num_key_value_heads={kv} must be a multiple or a divisor of it; pick another tp"
-            )
-        stages = self.pp * (self.vpp or 1)
-        if hf.num_layers % stages:
-            raise ValueError(
-                f"pp * vpp = {stages} must divide num_layers={hf.num_layers}; change pp or vpp"
-            )
 
 
 def check_layout_pair(policy: ModelLayout, critic: ModelLayout, world_size: int) -> None:

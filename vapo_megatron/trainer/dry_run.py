@@ -9,7 +9,7 @@ allocated. The figures are then read from the built objects:
 
 - **groups**: the TP/PP/CP/DP/DPxCP ranks of the policy and the critic, the vLLM replica
   (``rank // rollout.tensor_parallel_size``) and the prompts it generates
-  (``rollout_phase.replica_share``);
+  (``step/rollout.replica_share``);
 - **bytes**: parameters (each chunk's parameters), the DDP buffers (``grad_data``, and the
   distributed optimizer's ``param_data``, padding included), the optimizer (main-parameter
   copies that are not views of the model's, and Adam's moments, created by megatron's own
@@ -48,12 +48,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vapo_megatron.config.gpu import FUSION_KERNELS, GpuSettings
+from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.models import memory_plan as mp
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.gpu_settings import FUSION_KERNELS, GpuSettings
 from vapo_megatron.parallel.devices import HOST, building_on
-from vapo_megatron.trainer.config import TrainConfig
-from vapo_megatron.trainer.rollout_phase import replica_share
+from vapo_megatron.step.rollout import replica_share
 
 META = torch.device("meta")
 
@@ -323,7 +323,7 @@ def synthetic_token_counts(config: TrainConfig) -> list[int]:
 def data_path(config: TrainConfig, engines: dict) -> tuple[str, str]:
     """(path, reason) a VAPO step takes at this rank (``shard_path.choose_path`` on the built
     engines; the agreement over ranks is a no-op under the fake backend)."""
-    from vapo_megatron.trainer.shard_path import choose_path
+    from vapo_megatron.step.scoring import choose_path
 
     scorers = [engines[role] for role in _roles(config)]
     choice = choose_path(scorers, requested=config.trainer.gae_path, host_group=dist.group.WORLD)
@@ -335,11 +335,11 @@ def _data_share(config: TrainConfig, engine, counts: list[int], path: str) -> di
     the whole step (the first epoch's mini-batches split by tokens), else ``dp_share`` of the
     whole step (what the flat path's scoring pass packs)."""
     from vapo_megatron.data.packing import Sample
-    from vapo_megatron.trainer.batching import dp_share, plan_micro_batches
+    from vapo_megatron.step.batching import dp_share, plan_micro_batches
 
     if path == "shards":
-        from vapo_megatron.trainer.shard_path import step_share
-        from vapo_megatron.trainer.step import minibatch_indices
+        from vapo_megatron.step.shard_route import step_share
+        from vapo_megatron.step.updates import minibatch_indices
 
         num_minibatches = max(1, len(counts) // config.trainer.mini_batch_size)
         parts = minibatch_indices(len(counts), num_minibatches, config.trainer.seed * 1_000_003)

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.models import memory_plan as mp
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.trainer.config import TrainConfig
 from vapo_megatron.trainer.dry_run import FALLBACKS, RankReport, dry_run
 
 ROWS = (

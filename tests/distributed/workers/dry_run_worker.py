@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from vapo_megatron.config.recipe import load_recipe
 from vapo_megatron.models import hf_io
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.trainer import checkpointing as ckpt
 from vapo_megatron.trainer import dry_run
-from vapo_megatron.trainer.recipe import load_recipe
 from vapo_megatron.trainer.session import build_engine, build_groups, init_distributed
 
 

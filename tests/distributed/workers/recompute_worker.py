@@ -9,6 +9,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from vapo_megatron.trainer.batching import micro_batches
+from vapo_megatron.trainer.loss_fns import policy_loss_fn, value_loss_fn
 
 from tests.distributed.workers.train_on_worker import (
     ALGO,
@@ -19,7 +21,8 @@ from tests.distributed.workers.train_on_worker import (
     samples,
 )
 from tests.distributed.workers.train_step_worker import make_weights
-from vapo_megatron.models.provider import ModelLayout
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import (
     build_model_groups,
@@ -27,9 +30,6 @@ from vapo_megatron.parallel.model_groups import (
     seed_rng_tracker,
 )
 from vapo_megatron.parallel.reductions import global_loss_normalisers
-from vapo_megatron.trainer.batching import micro_batches
-from vapo_megatron.trainer.config import RecomputeSettings
-from vapo_megatron.trainer.loss_fns import policy_loss_fn, value_loss_fn
 from vapo_megatron.trainer.model_engine import ModelEngine
 
 RECOMPUTES = {

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from tests.distributed.workers.train_checkpoint_worker import Run
 from tests.distributed.workers.train_step_worker import make_samples, make_weights
-from vapo_megatron.models.provider import ModelLayout
+from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 from vapo_megatron.trainer.checkpointing import (
     FORMAT,

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from tests.unit.test_model_record import qwen2_config
+
+from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models import checkpoint as ckpt
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.norm import RMSNorm
-from vapo_megatron.models.provider import ModelLayout, build_model, transformer_config
+from vapo_megatron.models.provider import build_model, transformer_config
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 
 TP = 2

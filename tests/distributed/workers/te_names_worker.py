@@ -20,6 +20,7 @@ from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer import transformer_block
 
 from tests.unit import test_te_names as te
+from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models import provider
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.model_groups import build_model_groups, layout_sizes, rank_groups
@@ -31,7 +32,7 @@ def names_of(case: str, pp: int, rank: int) -> tuple[int, dict]:
     hf = HFModelConfig.from_hf(hf_config)
     with stand_in_for(rank, te.TP * pp):
         groups = build_model_groups(tp=te.TP, pp=pp, cp=1, host=dist.group.WORLD)
-        layout = provider.ModelLayout(tp=te.TP, pp=pp)
+        layout = ModelLayout(tp=te.TP, pp=pp)
         config = provider.transformer_config(hf, layout, use_cpu_initialization=True)
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
         with on_meta():

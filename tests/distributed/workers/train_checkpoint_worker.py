@@ -33,10 +33,11 @@ from tests.distributed.workers.train_step_worker import (
     make_weights,
     policy_factory,
 )
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.data.packing import pad
 from vapo_megatron.models.checkpoint import make_metadata
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 from vapo_megatron.parallel.model_groups import build_model_groups
 from vapo_megatron.parallel.reductions import global_loss_normalisers
@@ -49,7 +50,7 @@ from vapo_megatron.trainer.checkpointing import (
     load_train_checkpoint,
     save_train_checkpoint,
 )
-from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
+from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.trainer.preemption import PreemptionFlag
 
 CASES = {

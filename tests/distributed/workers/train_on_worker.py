@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from vapo_megatron.trainer.batching import FLAT_INDEX
+from vapo_megatron.trainer.loss_fns import policy_loss_fn, value_loss_fn
+from vapo_megatron.trainer.updates import train_on
 
 from tests.distributed.workers.train_step_worker import HF_CONFIG, VOCAB, make_weights
 from vapo_megatron.algorithms.presets import algo_preset
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.data.packing import Sample
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.provider import ModelLayout
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import (
     build_model_groups,
     ensure_global_memory_buffer,
     seed_rng_tracker,
 )
-from vapo_megatron.trainer.batching import FLAT_INDEX
-from vapo_megatron.trainer.loss_fns import policy_loss_fn, value_loss_fn
-from vapo_megatron.trainer.model_engine import ModelEngine, OptimSettings
-from vapo_megatron.trainer.updates import train_on
+from vapo_megatron.trainer.model_engine import ModelEngine
 
 OPTIM = OptimSettings(lr=1e-3, weight_decay=0.0, adam_eps=1e-6, clip_grad=0.5)
 ALGO = algo_preset("vapo", value_clip=0.5, critic_init="policy")

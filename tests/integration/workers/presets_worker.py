@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import torch
+from vapo_megatron.trainer.export import export_hf
+from vapo_megatron.trainer.step import run_step
 
 from vapo_megatron.algorithms.presets import PRESETS, algo_preset
+from vapo_megatron.config.recipe import load_recipe
 from vapo_megatron.models import hf_io
-from vapo_megatron.trainer.export import export_hf
-from vapo_megatron.trainer.recipe import load_recipe
 from vapo_megatron.trainer.session import Session
-from vapo_megatron.trainer.step import run_step
 
 
 def main(recipe: str, overrides: list[str]) -> None:

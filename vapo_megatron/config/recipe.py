@@ -27,7 +27,7 @@ from typing import Any, Literal
 import yaml
 
 from vapo_megatron.algorithms.presets import PRESETS
-from vapo_megatron.trainer.config import TrainConfig
+from vapo_megatron.config.train import TrainConfig
 
 MAX_BASE_DEPTH = 8
 

@@ -2,11 +2,12 @@
 
 import pytest
 
-from tests.distributed.workers.train_step_worker import HF_CONFIG
+from tests.distributed.step.workers.train_step_worker import HF_CONFIG
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.recipe import load_recipe
+from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.provider import ModelLayout, transformer_config
-from vapo_megatron.trainer.config import RecomputeSettings
-from vapo_megatron.trainer.recipe import load_recipe
+from vapo_megatron.models.provider import transformer_config
 
 pytestmark = pytest.mark.unit
 

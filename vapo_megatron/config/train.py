@@ -2,19 +2,21 @@
 
 ``TrainConfig`` is what ``vapo-train RECIPE.yaml key=value ...`` resolves to (see
 ``recipe.py`` for loading, ``base:`` inheritance and overrides). Each field has a one-line
-doc; :meth:`TrainConfig.check` refuses impossible combinations with the fix in the message.
+doc; :meth:`TrainConfig.check` refuses impossible combinations with the fix in the message
+(one check per concern, in ``checks.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 from vapo_megatron.algorithms.config import AlgoConfig
-from vapo_megatron.models.gpu_settings import GpuSettings
-from vapo_megatron.models.provider import ModelLayout
-from vapo_megatron.trainer.model_engine import OptimSettings
+from vapo_megatron.config import checks
+from vapo_megatron.config.gpu import GpuSettings
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.optim import OptimSettings
+from vapo_megatron.config.recompute import RecomputeSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,47 +41,6 @@ class ModelSettings:
     """Training problems of the tiny task (create_tiny only)."""
     tiny_num_eval: int = 200
     """Held-out problems of the tiny task (create_tiny only)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecomputeSettings:
-    """Activation recompute of one model (megatron-core's recompute_* TransformerConfig fields)."""
-
-    granularity: Literal["selective", "full"] | None = None
-    """None: keep every activation; selective: recompute core attention; full: keep only each recomputed layer's input."""
-    method: Literal["uniform", "block"] | None = None
-    """full only: uniform recomputes groups of num_layers layers; block the first num_layers layers of each pipeline stage."""
-    num_layers: int | None = None
-    """full only: layers per recomputed group (uniform) or recomputed layers per stage (block)."""
-
-    def __post_init__(self) -> None:
-        if self.granularity not in (None, "selective", "full"):
-            raise ValueError(
-                f"recompute.granularity must be selective, full or null, got {self.granularity!r}"
-            )
-        if self.granularity == "full":
-            if self.method not in ("uniform", "block") or not self.num_layers:
-                raise ValueError(
-                    f"recompute.granularity=full needs method uniform or block and num_layers >= "
-                    f"1, got method={self.method!r} num_layers={self.num_layers!r}; e.g. "
-                    f"recompute.method=uniform recompute.num_layers=1"
-                )
-            if self.num_layers < 1:
-                raise ValueError(f"recompute.num_layers must be >= 1, got {self.num_layers}")
-        elif self.method is not None or self.num_layers is not None:
-            raise ValueError(
-                f"recompute.method={self.method!r} / num_layers={self.num_layers!r} only apply to "
-                f"granularity=full (got {self.granularity!r}): remove them or set "
-                f"recompute.granularity=full"
-            )
-
-    def transformer_config_kwargs(self) -> dict[str, object]:
-        """The TransformerConfig fields these settings set."""
-        return {
-            "recompute_granularity": self.granularity,
-            "recompute_method": self.method,
-            "recompute_num_layers": self.num_layers,
-        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +198,7 @@ class TrainerSettings:
     whiten_advantages: bool = False
     """Normalise advantages to zero mean, unit std over the step's response tokens."""
     gae_path: str = "auto"
-    """Where the scoring passes' per-token outputs live (``trainer/shard_path.py``). auto: on
+    """Where the scoring passes' per-token outputs live (``step/scoring.py``). auto: on
     each data-parallel rank's own samples, GAE on the critic's context-parallel shards, when
     the scoring models share one layout (and not CP with PP); otherwise gathered to every rank
     (flat). shards: that, or an error saying why not. flat: always gathered."""
@@ -307,117 +268,11 @@ class TrainConfig:
 
     def check(self, world_size: int) -> None:
         """ValueError naming the values and the fix for combinations that cannot run."""
-        algo, trainer, rollout = self.algorithm, self.trainer, self.rollout
-        layouts = [("policy", self.policy.layout)]
-        if algo.uses_critic:
-            layouts.append(("critic", self.critic.layout))
-        for name, layout in layouts:
-            ranks = layout.tp * layout.pp * layout.cp
-            if world_size % ranks:
-                raise ValueError(
-                    f"{name}.layout needs tp * pp * cp = {ranks} ranks per replica, which does "
-                    f"not divide the world size {world_size}; change {name}.layout or the number "
-                    "of ranks (trainer.local_world_size when started plainly)"
-                )
-        if world_size % rollout.tensor_parallel_size:
-            raise ValueError(
-                f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} does not divide the "
-                f"world size {world_size}; each group of that many ranks forms one vLLM engine"
-            )
-        if trainer.mini_batch_size < 1 or self.samples_per_step % trainer.mini_batch_size:
-            raise ValueError(
-                f"trainer.mini_batch_size={trainer.mini_batch_size} must divide the step's "
-                f"samples (algorithm.prompts_per_step x samples_per_prompt = "
-                f"{self.samples_per_step}); pick a divisor"
-            )
-        if trainer.steps < 0 or trainer.ppo_epochs < 1 or trainer.micro_batch_tokens < 1:
-            raise ValueError(
-                f"trainer.steps must be >= 0 and ppo_epochs, micro_batch_tokens >= 1; got "
-                f"{trainer.steps}, {trainer.ppo_epochs}, {trainer.micro_batch_tokens}"
-            )
-        if self.data.max_prompt_tokens + rollout.max_new_tokens > rollout.max_model_len:
-            raise ValueError(
-                f"data.max_prompt_tokens ({self.data.max_prompt_tokens}) + rollout.max_new_tokens "
-                f"({rollout.max_new_tokens}) exceeds rollout.max_model_len "
-                f"({rollout.max_model_len}); raise max_model_len or lower one of the others"
-            )
-        if (
-            algo.overlong_buffer_len is not None
-            and algo.overlong_buffer_len > rollout.max_new_tokens
-        ):
-            raise ValueError(
-                f"algorithm.overlong_buffer_len={algo.overlong_buffer_len} exceeds "
-                f"rollout.max_new_tokens={rollout.max_new_tokens}; lower it or set it to null"
-            )
-        if (self.eval.every or self.eval.at_start) and not self.data.eval_path:
-            raise ValueError(
-                "eval.every / eval.at_start need data.eval_path; set it or disable eval"
-            )
-        if self.eval.k < 1:
-            raise ValueError(f"eval.k must be >= 1, got {self.eval.k}")
-        for name, rate, what in (
-            ("tiny_slip_rate", self.model.tiny_slip_rate, "worked lines that slip"),
-            ("tiny_guess_rate", self.model.tiny_guess_rate, "solutions that are guesses"),
-        ):
-            if not 0.0 <= rate < 1.0:
-                raise ValueError(
-                    f"model.{name}={rate} must be in [0, 1): the fraction of the warm-up's {what}"
-                )
-        if rollout.temperature <= 0 and algo.samples_per_prompt > 1:
-            raise ValueError(
-                f"rollout.temperature={rollout.temperature} is greedy: all "
-                f"{algo.samples_per_prompt} samples of a prompt would be the same; use a "
-                "temperature > 0 or samples_per_prompt=1"
-            )
-        if (
-            algo.uses_critic
-            and algo.critic_init == "reward_model"
-            and not (self.critic.init_path or self.critic.pretrained)
-        ):
-            raise ValueError(
-                "algorithm.critic_init=reward_model needs critic.init_path (a reward model: "
-                "tools/convert.py hf-to-mcore --critic-from reward-model, or an HF "
-                "*ForSequenceClassification directory); set it, or set "
-                "algorithm.critic_init=policy to start the critic from the policy's weights"
-            )
-        if trainer.gae_path not in ("auto", "shards", "flat"):
-            raise ValueError(
-                f"trainer.gae_path must be auto, shards or flat, got {trainer.gae_path!r}"
-            )
-        if trainer.dist_timeout_minutes <= 0:
-            raise ValueError(
-                f"trainer.dist_timeout_minutes must be > 0, got {trainer.dist_timeout_minutes}"
-            )
-        if trainer.keep_last < 1:
-            raise ValueError(f"trainer.keep_last must be >= 1, got {trainer.keep_last}")
-
-
-def critic_start_help(config: TrainConfig, *, rm_dir: str = "RM_DIR") -> str:
-    """The two ways to give the critic a start, as commands for this recipe's model and layout
-    (the paper's own reward model is not public; docs/cluster.md lists public ones). ``rm_dir``:
-    the HF directory of the reward model, where known."""
-    path, layout = config.critic.init_path, config.critic.layout
-    convert = f"python tools/convert.py hf-to-mcore --tp {layout.tp} --pp {layout.pp}"
-    return (
-        f"either convert a reward model of the policy's architecture "
-        f"(a one-label *ForSequenceClassification): `{convert} --hf {rm_dir} --out {path} "
-        f"--critic-from reward-model`; or start the critic from the policy: `{convert} --hf "
-        f"{config.model.path} --out CRITIC_DIR --critic-from policy` with "
-        "algorithm.critic_init=policy critic.init_path=CRITIC_DIR (value pretraining then starts "
-        "from a zero value head: give it more steps, algorithm.value_pretrain_steps)"
-    )
-
-
-def check_critic_start(config: TrainConfig, *, has_pretrained_critic: bool = False) -> None:
-    """ValueError, naming both ways out, when the critic would start from a critic.init_path
-    that is not there. Nothing to check without a critic, or when a pretrained critic (this
-    run's, or critic.pretrained) is used instead."""
-    path = config.critic.init_path
-    if not config.algorithm.uses_critic or has_pretrained_critic or config.critic.pretrained:
-        return
-    if path is None or Path(path).exists():
-        return
-    raise ValueError(
-        f"critic.init_path={path} does not exist (algorithm.critic_init="
-        f"{config.algorithm.critic_init}): {critic_start_help(config)}"
-    )
+        checks.check_layouts_fit(self, world_size)
+        checks.check_batches(self)
+        checks.check_lengths(self)
+        checks.check_eval(self)
+        checks.check_tiny_task(self)
+        checks.check_sampling(self)
+        checks.check_critic_init(self)
+        checks.check_loop(self)

@@ -10,14 +10,15 @@ import pytest
 import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 
-from vapo_megatron.models import gpu_settings
+from vapo_megatron.config import gpu as gpu_settings
+from vapo_megatron.config.gpu import GpuSettings, ResolvedGpuSettings, resolve
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.recipe import load_recipe
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.models.gpu_settings import GpuSettings, ResolvedGpuSettings, resolve
-from vapo_megatron.models.provider import ModelLayout, transformer_config
-from vapo_megatron.trainer.recipe import load_recipe
+from vapo_megatron.models.provider import transformer_config
 
 pytestmark = pytest.mark.unit
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 FUSIONS = list(gpu_settings.FUSION_KERNELS)
 TE, APEX_WGRAD = "transformer_engine", "fused_weight_gradient_mlp_cuda"
 APEX_SOFTMAX, TRITON = "scaled_upper_triang_masked_softmax_cuda", "triton"

@@ -3,8 +3,8 @@
 import pytest
 
 from tests.launcher import REPO_ROOT
-from vapo_megatron.trainer.config import check_critic_start
-from vapo_megatron.trainer.recipe import load_recipe
+from vapo_megatron.config.checks import check_critic_start
+from vapo_megatron.config.recipe import load_recipe
 
 pytestmark = pytest.mark.unit
 RECIPE = REPO_ROOT / "recipes" / "vapo_qwen2.5_32b.yaml"

@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from vapo_megatron.algorithms.presets import PRESETS
-from vapo_megatron.trainer.config import TrainConfig
-from vapo_megatron.trainer.recipe import config_from_dict, config_to_dict, dump_config, load_recipe
+from vapo_megatron.config.recipe import config_from_dict, config_to_dict, dump_config, load_recipe
+from vapo_megatron.config.train import TrainConfig
 
 pytestmark = pytest.mark.unit
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 # World sizes each recipe is written for: the paper's 16 x 8 H100, one node, the laptop.
 WORLD = {"vapo_qwen2.5_7b.yaml": 8, "tiny_cpu.yaml": 2, "vapo.yaml": None}
 

@@ -1,0 +1,156 @@
+"""The checks :meth:`TrainConfig.check` runs: each refuses one kind of combination that cannot
+run, with a ValueError naming the values and the fix. Also how the critic can be given a start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # train.py imports this module to run the checks
+    from vapo_megatron.config.train import TrainConfig
+
+
+def check_layouts_fit(config: TrainConfig, world_size: int) -> None:
+    """Each model's tp * pp * cp, and vLLM's tensor parallelism, divide the world."""
+    layouts = [("policy", config.policy.layout)]
+    if config.algorithm.uses_critic:
+        layouts.append(("critic", config.critic.layout))
+    for name, layout in layouts:
+        ranks = layout.tp * layout.pp * layout.cp
+        if world_size % ranks:
+            raise ValueError(
+                f"{name}.layout needs tp * pp * cp = {ranks} ranks per replica, which does "
+                f"not divide the world size {world_size}; change {name}.layout or the number "
+                "of ranks (trainer.local_world_size when started plainly)"
+            )
+    rollout_tp = config.rollout.tensor_parallel_size
+    if world_size % rollout_tp:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={rollout_tp} does not divide the "
+            f"world size {world_size}; each group of that many ranks forms one vLLM engine"
+        )
+
+
+def check_batches(config: TrainConfig) -> None:
+    """Mini-batches divide the step's samples; steps, epochs and micro-batch budgets count."""
+    trainer = config.trainer
+    if trainer.mini_batch_size < 1 or config.samples_per_step % trainer.mini_batch_size:
+        raise ValueError(
+            f"trainer.mini_batch_size={trainer.mini_batch_size} must divide the step's "
+            f"samples (algorithm.prompts_per_step x samples_per_prompt = "
+            f"{config.samples_per_step}); pick a divisor"
+        )
+    if trainer.steps < 0 or trainer.ppo_epochs < 1 or trainer.micro_batch_tokens < 1:
+        raise ValueError(
+            f"trainer.steps must be >= 0 and ppo_epochs, micro_batch_tokens >= 1; got "
+            f"{trainer.steps}, {trainer.ppo_epochs}, {trainer.micro_batch_tokens}"
+        )
+
+
+def check_lengths(config: TrainConfig) -> None:
+    """A prompt and its response fit the engine; the overlong buffer fits the response."""
+    algo, rollout, data = config.algorithm, config.rollout, config.data
+    if data.max_prompt_tokens + rollout.max_new_tokens > rollout.max_model_len:
+        raise ValueError(
+            f"data.max_prompt_tokens ({data.max_prompt_tokens}) + rollout.max_new_tokens "
+            f"({rollout.max_new_tokens}) exceeds rollout.max_model_len "
+            f"({rollout.max_model_len}); raise max_model_len or lower one of the others"
+        )
+    if algo.overlong_buffer_len is not None and algo.overlong_buffer_len > rollout.max_new_tokens:
+        raise ValueError(
+            f"algorithm.overlong_buffer_len={algo.overlong_buffer_len} exceeds "
+            f"rollout.max_new_tokens={rollout.max_new_tokens}; lower it or set it to null"
+        )
+
+
+def check_eval(config: TrainConfig) -> None:
+    """Evaluation during training has prompts and samples."""
+    if (config.eval.every or config.eval.at_start) and not config.data.eval_path:
+        raise ValueError("eval.every / eval.at_start need data.eval_path; set it or disable eval")
+    if config.eval.k < 1:
+        raise ValueError(f"eval.k must be >= 1, got {config.eval.k}")
+
+
+def check_tiny_task(config: TrainConfig) -> None:
+    """The tiny task's warm-up rates are fractions."""
+    model = config.model
+    for name, rate, what in (
+        ("tiny_slip_rate", model.tiny_slip_rate, "worked lines that slip"),
+        ("tiny_guess_rate", model.tiny_guess_rate, "solutions that are guesses"),
+    ):
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(
+                f"model.{name}={rate} must be in [0, 1): the fraction of the warm-up's {what}"
+            )
+
+
+def check_sampling(config: TrainConfig) -> None:
+    """Several samples of a prompt are not all the same greedy response."""
+    temperature, samples = config.rollout.temperature, config.algorithm.samples_per_prompt
+    if temperature <= 0 and samples > 1:
+        raise ValueError(
+            f"rollout.temperature={temperature} is greedy: all "
+            f"{samples} samples of a prompt would be the same; use a "
+            "temperature > 0 or samples_per_prompt=1"
+        )
+
+
+def check_critic_init(config: TrainConfig) -> None:
+    """A critic started from a reward model is told where it is."""
+    algo, critic = config.algorithm, config.critic
+    if (
+        algo.uses_critic
+        and algo.critic_init == "reward_model"
+        and not (critic.init_path or critic.pretrained)
+    ):
+        raise ValueError(
+            "algorithm.critic_init=reward_model needs critic.init_path (a reward model: "
+            "tools/convert.py hf-to-mcore --critic-from reward-model, or an HF "
+            "*ForSequenceClassification directory); set it, or set "
+            "algorithm.critic_init=policy to start the critic from the policy's weights"
+        )
+
+
+def check_loop(config: TrainConfig) -> None:
+    """The loop's path choice, collective timeout and checkpoint count are valid."""
+    trainer = config.trainer
+    if trainer.gae_path not in ("auto", "shards", "flat"):
+        raise ValueError(f"trainer.gae_path must be auto, shards or flat, got {trainer.gae_path!r}")
+    if trainer.dist_timeout_minutes <= 0:
+        raise ValueError(
+            f"trainer.dist_timeout_minutes must be > 0, got {trainer.dist_timeout_minutes}"
+        )
+    if trainer.keep_last < 1:
+        raise ValueError(f"trainer.keep_last must be >= 1, got {trainer.keep_last}")
+
+
+def critic_start_help(config: TrainConfig, *, rm_dir: str = "RM_DIR") -> str:
+    """The two ways to give the critic a start, as commands for this recipe's model and layout
+    (the paper's own reward model is not public; docs/cluster.md lists public ones). ``rm_dir``:
+    the HF directory of the reward model, where known."""
+    path, layout = config.critic.init_path, config.critic.layout
+    convert = f"python tools/convert.py hf-to-mcore --tp {layout.tp} --pp {layout.pp}"
+    return (
+        f"either convert a reward model of the policy's architecture "
+        f"(a one-label *ForSequenceClassification): `{convert} --hf {rm_dir} --out {path} "
+        f"--critic-from reward-model`; or start the critic from the policy: `{convert} --hf "
+        f"{config.model.path} --out CRITIC_DIR --critic-from policy` with "
+        "algorithm.critic_init=policy critic.init_path=CRITIC_DIR (value pretraining then starts "
+        "from a zero value head: give it more steps, algorithm.value_pretrain_steps)"
+    )
+
+
+def check_critic_start(config: TrainConfig, *, has_pretrained_critic: bool = False) -> None:
+    """ValueError, naming both ways out, when the critic would start from a critic.init_path
+    that is not there. Nothing to check without a critic, or when a pretrained critic (this
+    run's, or critic.pretrained) is used instead."""
+    path = config.critic.init_path
+    if not config.algorithm.uses_critic or has_pretrained_critic or config.critic.pretrained:
+        return
+    if path is None or Path(path).exists():
+        return
+    raise ValueError(
+        f"critic.init_path={path} does not exist (algorithm.critic_init="
+        f"{config.algorithm.critic_init}): {critic_start_help(config)}"
+    )
