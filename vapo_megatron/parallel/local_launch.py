@@ -79,37 +79,8 @@ def _run_ranks(
         OMP_NUM_THREADS=str(threads_per_rank),
     )
     logdir.mkdir(parents=True, exist_ok=True)
-    procs, logs = [], []
-    for rank in range(world_size):
-        rank_env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank))
-        to_console = rank == console_rank
-        log = None if to_console else open(console_file(logdir, rank), "w")  # noqa: SIM115
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                list(command),
-                env=rank_env,
-                stdout=None if to_console else log,
-                stderr=None if to_console else subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=cwd,
-            )  # fmt: skip
-        )
-    deadline = None if timeout is None else time.monotonic() + timeout
-    timed_out = False
-    # Poll every rank: the first one to fail stops the group (the others would wait on it).
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode not in (None, 0) for p in procs):
-            break
-        if deadline is not None and time.monotonic() > deadline:
-            timed_out = True
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for p in procs:
-        p.wait()
+    procs, logs = _start_ranks(command, world_size, env_base, cwd, console_rank, logdir)
+    timed_out = _wait_for_ranks(procs, timeout)
     for log in logs:
         if log is not None:
             log.close()
@@ -126,6 +97,57 @@ def _run_ranks(
             f"{' '.join(command)} x{world_size}: {why}\n{detail}", [p.returncode for p in procs]
         )
     return outputs
+
+
+def _start_ranks(
+    command: Sequence[str],
+    world_size: int,
+    env_base: dict[str, str],
+    cwd: str | Path | None,
+    console_rank: int | None,
+    logdir: Path,
+) -> tuple[list[subprocess.Popen], list]:
+    """Start every rank (RANK and LOCAL_RANK set); each prints to its console file, or to this
+    console for ``console_rank``. Returns the processes and their open log files (None for
+    the console's)."""
+    procs, logs = [], []
+    for rank in range(world_size):
+        rank_env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank))
+        to_console = rank == console_rank
+        log = None if to_console else open(console_file(logdir, rank), "w")  # noqa: SIM115
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                list(command),
+                env=rank_env,
+                stdout=None if to_console else log,
+                stderr=None if to_console else subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=cwd,
+            )  # fmt: skip
+        )
+    return procs, logs
+
+
+def _wait_for_ranks(procs: list[subprocess.Popen], timeout: float | None) -> bool:
+    """Wait until every rank is done, one has failed or ``timeout`` seconds have passed; kill
+    the ones still running. Returns whether the group timed out."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    timed_out = False
+    # Poll every rank: the first one to fail stops the group (the others would wait on it).
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            timed_out = True
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+    return timed_out
 
 
 def console_file(log_dir: Path, rank: int) -> Path:
