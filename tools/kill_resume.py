@@ -16,8 +16,9 @@ Kills are planned as events seen in the run directory (polled every 10 ms) or ti
     after:SECONDS     that long after the start
     stepping:SECONDS  that long after this start logged its first step
     startup           a uniform time in the reference's start-up (before its first step)
-    random            stepping: a uniform fraction of the reference's stepping time (from
-                      its first logged step to its end), so the kill lands among the steps
+    random            stepping: a uniform time up to 40% of the reference's stepping time
+                      (from its first logged step to its end): the kill lands among the steps,
+                      and each start gets a part of the way, so several kills fit in one run
 
 For each kill the tool prints where the run was (last logged step, checkpoints, saves being
 written, the critic export), then one JSON line: the kills, the differences and failed starts.
@@ -180,7 +181,9 @@ def differences(want: dict, got: dict) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--kills", default="startup,random,published:3,exported,random,random")
+    parser.add_argument(
+        "--kills", default="startup,writing,published:3,exported,random,random,random"
+    )
     parser.add_argument("--async", dest="asynchronous", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
@@ -205,7 +208,7 @@ def main() -> int:
     startup = reference["first_step_s"]
     for event in args.kills.split(","):
         if event == "random":
-            event = f"stepping:{rng.uniform(0.0, reference['at_s'] - startup):.2f}"
+            event = f"stepping:{rng.uniform(0.0, 0.4 * (reference['at_s'] - startup)):.2f}"
         elif event == "startup":
             event = f"after:{rng.uniform(1.0, startup):.2f}"
         result = run_until(event, killed_dir, overrides, log)

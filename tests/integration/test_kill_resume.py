@@ -56,7 +56,7 @@ def test_kills_at_the_pretraining_windows(tmp_path, assets):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_random_kills(tmp_path, assets, mode):
-    kills = "startup,random,writing,random,published:3,exported,random,random,random"
+    kills = "startup,writing,published:3,exported,random,random,random,random,random"
     args = ["--kills", kills, "--seed", "1" if mode == "sync" else "2", "--steps", "3"]
     summary = kill_and_compare(
         tmp_path, assets, *args, *(["--async"] if mode == "async" else []), timeout=3000
