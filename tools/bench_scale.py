@@ -41,23 +41,96 @@ def rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
-def worker(samples: int, steps: int, path: str) -> None:
-    import torch
+PHASES = ("rollout_other", "scoring", "advantages", "update_critic", "update_policy")
+"""The step's own phases (time/<phase>), printed per rank."""
+
+
+class StubRollout:
+    """Synthetic generation of the recipe's lengths (capped at ``max_new``); odd samples are
+    correct. Outputs as ``RolloutEngine.generate`` hands them (``array('i')`` ids,
+    ``array('f')`` log-probs)."""
+
+    def __init__(self, max_new: int) -> None:
+        self.max_new = max_new
+
+    def generate(self, prompt_ids, *, n, seed, **_):
+        from bench_gae import response_lengths
+
+        lengths = response_lengths(len(prompt_ids) * n, seed=seed).clamp(max=self.max_new)
+        out = []
+        for i, length in enumerate(lengths.tolist()):
+            out.append(
+                SimpleNamespace(
+                    prompt_index=i // n, response_token_ids=array("i", range(1, length + 1)),
+                    logprobs=array("f", [-0.5]) * length,
+                    finish_reason="length" if length == self.max_new else "stop",
+                )
+            )  # fmt: skip
+        return out
+
+    def wake_up(self, tags):
+        pass
+
+    def sleep(self):
+        pass
+
+
+def stub_grade(items, routing, *, timeout_s):
+    """Constant-time grades: odd samples correct (+1), even ones wrong (-1)."""
+    results = [
+        SimpleNamespace(score=float(i % 2) * 2 - 1, acc=float(i % 2)) for i in range(len(items))
+    ]
+    return results, SimpleNamespace(num_errors=0, num_timeouts=0)
+
+
+class StubEngine:
+    """A ModelEngine with the model stubbed: DP over the world's ranks, no arithmetic."""
+
+    def __init__(self, host) -> None:
+        import torch.distributed as dist
+
+        from vapo_megatron.config.layout import ModelLayout
+        from vapo_megatron.parallel.devices import HOST
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.layout, self.device = ModelLayout(), HOST
+        self.dp_size, self.dp_rank, self.cp_rank, self.tp_rank = world, rank, 0, 0
+        self.is_last_stage, self.vocab_slice, self.compute_seconds = True, None, 0.0
+        self.groups = SimpleNamespace(
+            world=dist.group.WORLD, host=host,
+            parallel=SimpleNamespace(dp_cp=dist.group.WORLD, cp=None),
+            tp_rank=0, pp_rank=0, cp_rank=0, dp_rank=rank, tp_size=1, pp_size=1, cp_size=1,
+        )  # fmt: skip
+
+    def run(self, mbs, loss_fn, *, forward_only=False):
+        import torch
+
+        from vapo_megatron.parallel.devices import HOST
+
+        # Stands for the model's forward (and backward): its time is the model's, counted
+        # in compute_seconds as ModelEngine counts its schedule's (time/megatron).
+        start = time.perf_counter()
+        if forward_only:  # deterministic outputs from the tokens: log-probs and values
+            out = [
+                {"logprobs": mb.tokens.float() * -1e-6, "values": mb.tokens.float() * 1e-6}
+                for mb in mbs
+            ]
+        else:
+            out = [{"loss_share": torch.zeros((), device=HOST)} for _ in mbs]
+        self.compute_seconds += time.perf_counter() - start
+        return out
+
+    def step(self):
+        return {}
+
+
+def stub_session(samples: int, path: str, host, run_dir: Path) -> SimpleNamespace:
+    """What ``run_step`` reads of a Session: the 32B recipe at ``samples`` per step, the stubs
+    above, synthetic ~300-token prompts."""
     import torch.distributed as dist
 
-    sys.path.insert(0, str(REPO / "tools"))
-    from bench_gae import response_lengths
-
-    from vapo_megatron.config.layout import ModelLayout
     from vapo_megatron.config.recipe import load_recipe
-    from vapo_megatron.parallel.collectives import make_host_group
-    from vapo_megatron.parallel.devices import HOST
-    from vapo_megatron.step import rollout, run
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    host = make_host_group()
     n = 16
     config = load_recipe(
         REPO / "recipes" / "vapo_qwen2.5_32b.yaml",
@@ -65,7 +138,6 @@ def worker(samples: int, steps: int, path: str) -> None:
          f"trainer.mini_batch_size={samples // 16}",  # 16 mini-batches, as at 8,192 samples
          f"trainer.gae_path={path}"],
     )  # fmt: skip
-    max_new = config.rollout.max_new_tokens
     prompts = [
         SimpleNamespace(
             token_ids=[(7 * g + k) % 50_000 + 1 for k in range(PROMPT_TOKENS + g % 64)],
@@ -73,98 +145,50 @@ def worker(samples: int, steps: int, path: str) -> None:
         )
         for g in range(samples // n)
     ]
-
-    class Rollout:
-        """Synthetic generation of the recipe's lengths; odd samples are correct. Outputs as
-        ``RolloutEngine.generate`` hands them (``array('i')`` ids, ``array('f')`` log-probs)."""
-
-        def generate(self, prompt_ids, *, n, seed, **_):
-            lengths = response_lengths(len(prompt_ids) * n, seed=seed).clamp(max=max_new)
-            out = []
-            for i, length in enumerate(lengths.tolist()):
-                out.append(
-                    SimpleNamespace(
-                        prompt_index=i // n, response_token_ids=array("i", range(1, length + 1)),
-                        logprobs=array("f", [-0.5]) * length,
-                        finish_reason="length" if length == max_new else "stop",
-                    )
-                )  # fmt: skip
-            return out
-
-        def wake_up(self, tags):
-            pass
-
-        def sleep(self):
-            pass
-
-    def grade(items, routing, *, timeout_s):
-        results = [
-            SimpleNamespace(score=float(i % 2) * 2 - 1, acc=float(i % 2)) for i in range(len(items))
-        ]
-        return results, SimpleNamespace(num_errors=0, num_timeouts=0)
-
-    class Engine:
-        """A ModelEngine with the model stubbed: DP2 over the 2 ranks, no arithmetic."""
-
-        layout = ModelLayout()
-        dp_size, dp_rank, cp_rank, tp_rank = world, rank, 0, 0
-        is_last_stage = True
-        device = HOST
-        vocab_slice = None
-        compute_seconds = 0.0
-        groups = SimpleNamespace(
-            world=dist.group.WORLD, host=host,
-            parallel=SimpleNamespace(dp_cp=dist.group.WORLD, cp=None),
-            tp_rank=0, pp_rank=0, cp_rank=0, dp_rank=rank, tp_size=1, pp_size=1, cp_size=1,
-        )  # fmt: skip
-
-        def run(self, mbs, loss_fn, *, forward_only=False):
-            # Stands for the model's forward (and backward): its time is the model's, counted
-            # in compute_seconds as ModelEngine counts its schedule's (time/megatron).
-            start = time.perf_counter()
-            if forward_only:  # deterministic outputs from the tokens: log-probs and values
-                out = [
-                    {"logprobs": mb.tokens.float() * -1e-6, "values": mb.tokens.float() * 1e-6}
-                    for mb in mbs
-                ]
-            else:
-                out = [{"loss_share": torch.zeros((), device=HOST)} for _ in mbs]
-            self.compute_seconds += time.perf_counter() - start
-            return out
-
-        def step(self):
-            return {}
-
-    class Sampler:
-        def next_indices(self, count):
-            return list(range(count))
-
-    # The step saves its rollouts under run_dir: removed when this worker ends.
-    run_dir = tempfile.TemporaryDirectory(prefix="bench_scale_")
-    session = SimpleNamespace(
-        config=config, policy=Engine(), critic=Engine(), rollout=Rollout(), rollout_synced=True,
-        sampler=Sampler(), train=SimpleNamespace(items=prompts),
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return SimpleNamespace(
+        config=config, policy=StubEngine(host), critic=StubEngine(host),
+        rollout=StubRollout(config.rollout.max_new_tokens), rollout_synced=True,
+        sampler=SimpleNamespace(next_indices=lambda count: list(range(count))),
+        train=SimpleNamespace(items=prompts),
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: ""),
         stop_token_ids=[0], routing={}, replica=rank, num_replicas=world, host_group=host,
-        rank=rank, run_dir=Path(run_dir.name), data_path=None,
+        rank=rank, run_dir=run_dir, data_path=None,
     )  # fmt: skip
-    rollout.score_responses = grade  # the grader is not the data path
+
+
+def step_row(metrics: dict[str, float]) -> dict[str, float]:
+    """One step's bookkeeping seconds (the step less generation, grading, sync and the model
+    stub's own time) and its phases' seconds."""
+    excluded = sum(metrics.get(f"time/{p}", 0.0) for p in ("rollout", "reward", "sync", "megatron"))
+    phases = {p: round(metrics[f"time/{p}"], 3) for p in PHASES}
+    return {"bookkeeping_s": metrics["time/step"] - excluded, **phases}
+
+
+def worker(samples: int, steps: int, path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from vapo_megatron.parallel.collectives import make_host_group
+    from vapo_megatron.step import rollout, run
+
+    sys.path.insert(0, str(REPO / "tools"))  # bench_gae, for the response lengths
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    host = make_host_group()
+    # The step saves its rollouts under run_dir: removed when this worker ends.
+    run_dir = tempfile.TemporaryDirectory(prefix="bench_scale_")
+    session = stub_session(samples, path, host, Path(run_dir.name))
+    rollout.score_responses = stub_grade  # the grader is not the data path
     run.sync_weights = lambda session: {}  # nor is the weight stream (tools/bench.py sync)
     dist.barrier(host)
     base_gb = rss_gb()
     rows = []
     for k in range(steps):
         metrics = run.run_step(session, k, pretrain=False)
-        excluded = sum(
-            metrics.get(f"time/{p}", 0.0) for p in ("rollout", "reward", "sync", "megatron")
-        )
-        phases = {
-            p: round(metrics[f"time/{p}"], 3)
-            for p in ("rollout_other", "scoring", "advantages", "update_critic", "update_policy")
-        }
-        rows.append({"bookkeeping_s": metrics["time/step"] - excluded, **phases})
+        rows.append(step_row(metrics))
     result = {
-        "rank": rank, "samples": int(metrics["num_samples"]),
+        "rank": dist.get_rank(), "samples": int(metrics["num_samples"]),
         "response_tokens": int(metrics["response_length/mean"] * metrics["num_samples"]),
         "base_gb": base_gb, "peak_gb": rss_gb(), "steps": rows,
     }  # fmt: skip
@@ -195,7 +219,7 @@ def run(quick: bool = False, samples: int | None = None, path: str = "auto") -> 
     if len(results) != 2:
         raise RuntimeError("bench scale: a rank gave no result:\n" + "\n".join(outputs))
     scale = STEP_SAMPLES / results[0]["samples"]
-    phases = ("rollout_other", "scoring", "advantages", "update_critic", "update_policy")
+    phases = PHASES
     # A step takes as long as its slowest rank; the best of the steps after the first (which
     # pays one-time costs) is the code's cost, the others add the shared machine's noise.
     per_step = [max(r["steps"][k]["bookkeeping_s"] for r in results) for k in range(STEPS)]

@@ -1,4 +1,4 @@
-"""Worker: the trainer's mini-batch update (trainer/updates.py::train_on: data-parallel
+"""Worker: the trainer's mini-batch update (step/updates.py::train_on: data-parallel
 shares, token-budget micro-batches, normalisers before backward) gives the same updated
 weights for any split: DP2 with many small micro-batches, TP2 with one, and a single process.
 
@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from vapo_megatron.trainer.batching import FLAT_INDEX
-from vapo_megatron.trainer.loss_fns import policy_loss_fn, value_loss_fn
-from vapo_megatron.trainer.updates import train_on
 
-from tests.distributed.workers.train_step_worker import HF_CONFIG, VOCAB, make_weights
+from tests.distributed.step.workers.train_step_worker import HF_CONFIG, VOCAB, make_weights
 from vapo_megatron.algorithms.presets import algo_preset
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
@@ -26,6 +23,9 @@ from vapo_megatron.parallel.model_groups import (
     ensure_global_memory_buffer,
     seed_rng_tracker,
 )
+from vapo_megatron.step.batching import FLAT_INDEX
+from vapo_megatron.step.losses import policy_loss_fn, value_loss_fn
+from vapo_megatron.step.updates import train_on
 from vapo_megatron.trainer.model_engine import ModelEngine
 
 OPTIM = OptimSettings(lr=1e-3, weight_decay=0.0, adam_eps=1e-6, clip_grad=0.5)

@@ -37,7 +37,7 @@ from vapo_megatron.parallel.model_groups import (
 from vapo_megatron.step import rollout, run
 from vapo_megatron.trainer.model_engine import ModelEngine
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 CASES = {
     "dp2": ModelLayout(),
     "cp2": ModelLayout(cp=2),

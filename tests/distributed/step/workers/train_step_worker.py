@@ -14,7 +14,6 @@ import sys
 import torch
 from megatron.core import parallel_state as ps
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
-from vapo_megatron.trainer.loss_fns import policy_loss_fn, value_loss_fn, value_scoring_fn
 
 from vapo_megatron.algorithms.presets import algo_preset
 from vapo_megatron.config.layout import ModelLayout
@@ -24,6 +23,7 @@ from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.logprobs import VocabSlice
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 from vapo_megatron.parallel.reductions import global_loss_normalisers
+from vapo_megatron.step.losses import policy_loss_fn, value_loss_fn, value_scoring_fn
 from vapo_megatron.trainer.model_engine import ModelEngine
 
 VOCAB = 250

@@ -15,19 +15,19 @@ import sys
 
 import torch
 import torch.distributed as dist
-from vapo_megatron.trainer.advantage_phase import gae_advantages, gae_on_cp_shards
-from vapo_megatron.trainer.batching import (
+
+from vapo_megatron.algorithms.config import AlgoConfig
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.parallel import collectives
+from vapo_megatron.parallel.devices import HOST
+from vapo_megatron.step.advantages import gae_advantages, gae_on_cp_shards
+from vapo_megatron.step.batching import (
     FLAT_INDEX,
     Ragged,
     build_samples,
     dp_share,
     micro_batches,
 )
-
-from vapo_megatron.algorithms.config import AlgoConfig
-from vapo_megatron.config.layout import ModelLayout
-from vapo_megatron.parallel import collectives
-from vapo_megatron.parallel.devices import HOST
 
 ATOL = 2e-5
 

@@ -1,5 +1,5 @@
-"""Which data path a step takes (``shard_path.choose_path``), and which samples a DP rank owns
-(``step_share``). The equality of the two paths is held by tests/distributed/test_shard_path.py."""
+"""Which data path a step takes (``scoring.choose_path``), and which samples a DP rank owns
+(``step_share``). The equality of the two paths is held by tests/distributed/step/test_shard_path.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from vapo_megatron.step.scoring import choose_path
 from vapo_megatron.step.shard_route import step_share
 
 pytestmark = pytest.mark.unit
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 
 
 @pytest.fixture(scope="module", autouse=True)

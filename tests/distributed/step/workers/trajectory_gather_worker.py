@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.parallel import collectives
-from vapo_megatron.step import rollout as rollout_phase
+from vapo_megatron.step import rollout
 from vapo_megatron.step.rollout import RolloutStats, generate_and_grade, replica_share
 
 NUM_PROMPTS, N = 5, 3
@@ -54,7 +54,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     host = collectives.make_host_group()
-    rollout_phase.score_responses = grade
+    rollout.score_responses = grade
     collectives.all_gather_objects = no_objects
     prompts = [
         SimpleNamespace(
