@@ -324,7 +324,7 @@ def test_benchmark_weight_update(tmp_path, tp):
     """Start time, update_weights throughput vs memcpy, and peak extra memory per rank.
 
     A ~230 MB fp32 Qwen2 (hidden 1024, 2 layers, vocab 16384). Run with
-    ``pytest -m slow -s -k benchmark tests/integration/test_vllm_engine.py``.
+    ``pytest -m slow -s -k benchmark tests/integration/rollout/test_vllm_engine.py``.
     """
     model = make_qwen2(
         tmp_path / "m", seed=0, hidden=1024, heads=8, kv_heads=2, layers=2, vocab=16384, ffn=2816
