@@ -21,11 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
 
+from vapo_megatron.checkpoint import model as mckpt  # noqa: E402
 from vapo_megatron.config.checks import critic_start_help  # noqa: E402
 from vapo_megatron.config.recipe import load_recipe  # noqa: E402
 from vapo_megatron.config.train import TrainConfig  # noqa: E402
 from vapo_megatron.data.prompts import load_prompts  # noqa: E402
-from vapo_megatron.models import checkpoint as mckpt  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
 from vapo_megatron.rewards.registry import resolve_routing  # noqa: E402
 from vapo_megatron.trainer.session import import_plugins, read_prompts  # noqa: E402

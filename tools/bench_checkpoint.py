@@ -2,7 +2,7 @@
 
 Policy and critic engines are built on 1 and on 2 gloo ranks (DP1, DP2; TP1), take one
 optimizer step on zero gradients (Adam's state exists, the weights stay), and are saved by
-``trainer/checkpointing.py`` several times: synchronously, then in the background. Shapes:
+``checkpoint/save.py`` several times: synchronously, then in the background. Shapes:
 ``tiny`` (default) is the tiny recipe's model in fp32, with the distributed optimizer and with
 the plain one; ``medium`` is a Qwen2 shape of ~47M parameters in the two models together, in
 bf16 with fp32 main params and the distributed optimizer (the 32B recipe's setting). Reported
@@ -50,11 +50,12 @@ def _worker(shape: str, root: Path, distopt: bool) -> None:
     import torch.distributed as dist
     from transformers import Qwen2Config
 
+    from vapo_megatron.checkpoint.save import CheckpointSaver
+    from vapo_megatron.checkpoint.state import TrainableState
     from vapo_megatron.config.layout import ModelLayout
     from vapo_megatron.models.config import HFModelConfig
     from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
     from vapo_megatron.parallel.model_groups import build_model_groups
-    from vapo_megatron.trainer.checkpointing import CheckpointSaver, TrainableState
 
     spec = dict(SHAPES[shape])
     dtype = getattr(torch, spec.pop("dtype"))

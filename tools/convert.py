@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from vapo_megatron.models import checkpoint as ckpt  # noqa: E402
+from vapo_megatron.checkpoint import model as ckpt  # noqa: E402
 from vapo_megatron.models import convert as conv  # noqa: E402
 from vapo_megatron.models import hf_io  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402

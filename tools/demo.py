@@ -41,9 +41,9 @@ quiet_dependencies()
 from make_tiny import sha256  # noqa: E402
 from plot_curves import plot_curves, read_metrics  # noqa: E402
 
+from vapo_megatron.checkpoint.directory import latest_step  # noqa: E402
 from vapo_megatron.config.recipe import load_recipe  # noqa: E402
 from vapo_megatron.config.train import TrainConfig  # noqa: E402
-from vapo_megatron.trainer.checkpointing import latest_step  # noqa: E402
 
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "demo.yaml"
 CONVERT = REPO_ROOT / "tools" / "convert.py"

@@ -14,7 +14,7 @@ trainer.checkpoint_async are planned as the trainer will run them; without a rec
 synchronously), and a layout is searched for. "Fits" means every phase leaves ``--min-headroom-gib`` (8) free. Each figure is
 labelled exact, measured (on CPU) or estimated, the pinned host memory per GPU and per node by
 part (training-state offload, checkpoint staging, vLLM's sleep backups) too; the memory model is
-``vapo_megatron/models/memory_plan.py``. The last line printed is JSON: ``{"fits": ...,
+``vapo_megatron/planning/memory.py``. The last line printed is JSON: ``{"fits": ...,
 "layout": {...}, "peak_gib": ..., "headroom_gib": ..., "kv_sequences_per_replica": ...,
 "rollout_seconds_estimated": ..., ...}``.
 """
@@ -30,15 +30,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vapo_megatron.config.layout import ModelLayout  # noqa: E402
-from vapo_megatron.models import memory_plan as mp  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
+from vapo_megatron.planning import memory as mp  # noqa: E402
+from vapo_megatron.planning.params import total_param_count  # noqa: E402
+from vapo_megatron.planning.plan_report import format_plan, plan_summary  # noqa: E402
+from vapo_megatron.planning.presets import GPUS, MODEL_PRESETS  # noqa: E402
+from vapo_megatron.planning.workload import FULL_RECOMPUTE, GIB, NO_RECOMPUTE, OFFLOADS, Workload  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help=f"preset {sorted(mp.MODEL_PRESETS)} or an HF config.json "
+    parser.add_argument("--model", help=f"preset {sorted(MODEL_PRESETS)} or an HF config.json "
                         "(or its directory); default: the recipe's model.path")  # fmt: skip
-    parser.add_argument("--gpu", default="h100-80gb", choices=sorted(mp.GPUS))
+    parser.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS))
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, help="default: recipe data.max_prompt_tokens")
@@ -51,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recompute", choices=["none", "selective", "full"],
                         help="both models, without --recipe (full: uniform, 1 layer); with a "
                         "recipe, policy/critic.recompute (--set) decide")  # fmt: skip
-    parser.add_argument("--offload", choices=sorted(mp.OFFLOADS), default="none",
+    parser.add_argument("--offload", choices=sorted(OFFLOADS), default="none",
                         help="without --recipe; with one, rollout.offload_training_state")  # fmt: skip
     parser.add_argument("--no-critic", action="store_true", help="GRPO/DAPO (without --recipe)")
     parser.add_argument(
@@ -74,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def read_model(spec: str | None, recipe_model_path: str | None) -> tuple[str, HFModelConfig]:
     if spec is None and recipe_model_path is None:
         raise ValueError("give --model (a preset or config.json) or --recipe")
-    from vapo_megatron.trainer.dry_run_report import read_model_config
+    from vapo_megatron.planning.presets import read_model_config
 
     return read_model_config(spec, recipe_model_path)
 
@@ -95,7 +99,7 @@ def check_recipe(config, hf: HFModelConfig, world_size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world = args.nodes * args.gpus_per_node
-    gpu = mp.GPUS[args.gpu]
+    gpu = GPUS[args.gpu]
     config = None
     try:
         if args.recipe:
@@ -109,18 +113,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         print(json.dumps({"fits": False, "valid": False, "error": str(err)}))
         return 2
-    work = mp.Workload(
+    work = Workload(
         world_size=world,
         prompt_len=args.prompt_len or (config.data.max_prompt_tokens if config else 2048),
         response_len=args.response_len or (config.rollout.max_new_tokens if config else 8192),
         micro_batch_tokens=args.micro_batch_tokens
         or (config.trainer.micro_batch_tokens if config else 16384),
-        reserve_bytes=int(args.reserve_gib * mp.GIB),
+        reserve_bytes=int(args.reserve_gib * GIB),
         gpus_per_node=args.gpus_per_node,
-        min_headroom_bytes=int(args.min_headroom_gib * mp.GIB),
+        min_headroom_bytes=int(args.min_headroom_gib * GIB),
         **(recipe_workload(config) if config else cli_workload(args)),
     )
-    print(f"model {name}: {mp.total_param_count(hf, head='lm') / 1e9:.2f}e9 parameters; "
+    print(f"model {name}: {total_param_count(hf, head='lm') / 1e9:.2f}e9 parameters; "
           f"{args.nodes} node(s) x {args.gpus_per_node} {gpu.name} = {world} GPUs; "
           f"sequences {work.prompt_len} + {work.response_len} tokens, micro-batch "
           f"{work.micro_batch_tokens} tokens")  # fmt: skip
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if config is not None:
         critic = config.critic.layout if work.uses_critic else None
         as_written = mp.plan(hf, gpu, config.policy.layout, critic, work)
-        print(mp.format_plan(as_written, f"recipe {args.recipe} as written"))
+        print(format_plan(as_written, f"recipe {args.recipe} as written"))
         summary.update(recipe_fits=as_written.fits, recipe_changes={})
         proposal = as_written
         if not as_written.fits:
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         first = replace(first, sequence_parallel=first.tp > 1)
         proposal = mp.plan(hf, gpu, first, first if work.uses_critic else None, work)
         print(f"no layout of {world} GPUs fits; the largest tensor-parallel split inside a node:")
-    print(mp.format_plan(proposal, "proposed"))
+    print(format_plan(proposal, "proposed"))
     for offload in ("optimizer", "rollout"):  # what each offload option would buy
         alt = replace(proposal.workload, offload=offload)
         util = mp.max_vllm_utilization(hf, gpu, proposal.policy, proposal.critic, alt)
@@ -157,15 +161,15 @@ def main(argv: list[str] | None = None) -> int:
                       replace(alt, gpu_memory_utilization=util))  # fmt: skip
         if alt.phases:
             train_peak = max(v for k, v in alt.phases.items() if k.endswith("_update"))
-            print(f"offload={offload} ({mp.OFFLOADS[offload]}): update peak "
-                  f"{train_peak / mp.GIB:.1f} GiB, vLLM could take gpu_memory_utilization "
+            print(f"offload={offload} ({OFFLOADS[offload]}): update peak "
+                  f"{train_peak / GIB:.1f} GiB, vLLM could take gpu_memory_utilization "
                   f"{util:.2f} ({alt.concurrent_sequences:.1f} sequences per replica)")  # fmt: skip
-    print(json.dumps({**mp.plan_summary(proposal), **summary}))
+    print(json.dumps({**plan_summary(proposal), **summary}))
     return 0
 
 
-CLI_RECOMPUTE = {"none": mp.NO_RECOMPUTE, "selective": ("selective", None, None),
-                 "full": mp.FULL_RECOMPUTE}  # fmt: skip
+CLI_RECOMPUTE = {"none": NO_RECOMPUTE, "selective": ("selective", None, None),
+                 "full": FULL_RECOMPUTE}  # fmt: skip
 
 
 def cli_workload(args: argparse.Namespace) -> dict[str, object]:
@@ -182,8 +186,8 @@ RECIPE_FIELDS = ("bf16", "distributed_optimizer", "critic_distributed_optimizer"
 
 def recipe_workload(config) -> dict[str, object]:
     """What the recipe configures and the trainer does with it (not planning-only options),
-    read as the dry run reads it (``trainer/dry_run.py::planner_workload``)."""
-    from vapo_megatron.trainer.dry_run import planner_workload
+    read as the dry run reads it (``planning/workload.py::planner_workload``)."""
+    from vapo_megatron.planning.workload import planner_workload
 
     work = planner_workload(config, world_size=1)
     return {name: getattr(work, name) for name in RECIPE_FIELDS}

@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="vapo-train", description=__doc__.split("\n")[0])
     parser.add_argument("recipe", help="YAML recipe (recipes/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, value read as YAML")
-    dry = parser.add_argument_group("dry run (one process, nothing allocated: trainer/dry_run.py)")
+    dry = parser.add_argument_group("dry run (one process, nothing allocated: planning/dry_run.py)")
     dry.add_argument("--dry-run", action="store_true", help="build chosen ranks on meta, report")
     dry.add_argument("--world-size", type=int, help="ranks of the job (default: local_world_size)")
     dry.add_argument("--ranks", default="0", help="ranks to stand in for, e.g. 0,17,127")
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_recipe(args.recipe, args.overrides)
         if args.dry_run:
-            from vapo_megatron.trainer import dry_run_report
+            from vapo_megatron.planning import dry_run_report
 
             world = args.world_size or config.trainer.local_world_size
             if not all(r.strip().isdigit() for r in args.ranks.split(",")):

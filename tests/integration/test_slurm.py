@@ -22,7 +22,7 @@ import torch
 
 from tests.integration.trainer_runs import make_assets, read_metrics
 from tests.launcher import REPO_ROOT
-from vapo_megatron.models import checkpoint as mckpt
+from vapo_megatron.checkpoint import model as mckpt
 from vapo_megatron.models import hf_io
 from vapo_megatron.parallel.local_launch import free_port
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tests.launcher import REPO_ROOT
+from vapo_megatron.checkpoint.load import load_train_checkpoint
 from vapo_megatron.parallel import collectives
-from vapo_megatron.trainer.checkpointing import load_train_checkpoint
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 from gpu_checks import twin as nccl_twin  # noqa: E402  (tools/ is not a package)

@@ -14,12 +14,10 @@ from gpu_checks.compare import compare_exact, tensors_of
 from gpu_checks.context import Context
 from gpu_checks.frame import check
 from gpu_checks.tiny import HF_CONFIG
-from vapo_megatron.models.checkpoint import load_model_weights, make_metadata, save_model_weights
-from vapo_megatron.trainer.checkpointing import (
-    TrainableState,
-    load_train_checkpoint,
-    save_train_checkpoint,
-)
+from vapo_megatron.checkpoint.load import load_train_checkpoint
+from vapo_megatron.checkpoint.model import load_model_weights, make_metadata, save_model_weights
+from vapo_megatron.checkpoint.save import save_train_checkpoint
+from vapo_megatron.checkpoint.state import TrainableState
 
 
 def checkpoint(ctx: Context, numbers: dict) -> None:

@@ -51,7 +51,7 @@ What megatron-core 0.16.1 needs for each (paths under ``megatron/core/``):
   or ``disable_forward_pre_hook()``, ``distributed_data_parallel.py:367-382``).
 - ``grad_reduce_in_fp32``: fp32 gradient buffers for bf16 parameters
   (``distributed_data_parallel.py:147``); no kernel. ``auto`` keeps the trainer's existing
-  choice (on exactly when parameters are bf16; ``memory_plan.py`` counts 4-byte grads).
+  choice (on exactly when parameters are bf16; ``planning/memory.py`` counts 4-byte grads).
 
 ``ModelEngine`` sets ``no_sync_func`` when ``overlap_grad_reduce`` is on and forces the
 parameter gather (``ModelEngine.gather_params``) before every read outside a forward: the weight

@@ -246,7 +246,7 @@ class _CudaTypeNames(TorchFunctionMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # Meta tensors (the dry run, trainer/dry_run.py) say "torch.meta.*".
+            # Meta tensors (the dry run, planning/dry_run.py) say "torch.meta.*".
             return result.replace("torch.meta.", "torch.", 1).replace("torch.", "torch.cuda.", 1)
         return result
 

@@ -36,7 +36,7 @@ def init_device(use_cpu_initialization: bool) -> torch.device:
 @contextmanager
 def building_on(device: torch.device) -> Iterator[None]:
     """Within: the training and init devices are ``device``. The dry run
-    (``trainer/dry_run.py``) builds models on ``meta`` this way: shapes and dtypes as in the
+    (``planning/dry_run.py``) builds models on ``meta`` this way: shapes and dtypes as in the
     real run, no memory."""
     global _stand_in
     before, _stand_in = _stand_in, device

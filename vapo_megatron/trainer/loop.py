@@ -16,19 +16,17 @@ from pathlib import Path
 import torch.distributed as dist
 
 from vapo_megatron.algorithms.value_pretrain import ValuePretrainStop
+from vapo_megatron.checkpoint.directory import latest_step
+from vapo_megatron.checkpoint.load import load_train_checkpoint
+from vapo_megatron.checkpoint.model import make_metadata
+from vapo_megatron.checkpoint.save import CheckpointSaver
+from vapo_megatron.checkpoint.state import TrainableState
 from vapo_megatron.config.recipe import config_to_dict, dump_config
 from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.data.tiny_assets import ensure_tiny_assets
-from vapo_megatron.models.checkpoint import make_metadata
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.step.run import run_step
-from vapo_megatron.trainer.checkpointing import (
-    CheckpointSaver,
-    TrainableState,
-    latest_step,
-    load_train_checkpoint,
-)
 from vapo_megatron.trainer.evaluation import evaluate
 from vapo_megatron.trainer.metrics import MetricsLogger
 from vapo_megatron.trainer.preemption import PreemptionFlag

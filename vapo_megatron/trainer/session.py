@@ -20,12 +20,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from vapo_megatron.checkpoint import model as mckpt
 from vapo_megatron.config.checks import check_critic_start
 from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.data.prompts import TokenizedPrompt, load_prompts, tokenize_prompts
 from vapo_megatron.data.sampler import PromptSampler
-from vapo_megatron.models import checkpoint as mckpt
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.collectives import make_host_group
@@ -111,7 +111,7 @@ def build_groups(
     """The policy's and (with a critic) the critic's process groups, each over the whole world
     in its own layout, every one bounded by ``trainer.dist_timeout_minutes``, then megatron's
     process-global scratch buffer and RNG tracker. Collective: every rank calls it at the
-    same point (``trainer/dry_run.py`` too)."""
+    same point (``planning/dry_run.py`` too)."""
     policy = build_model_groups(
         tp=config.policy.layout.tp, pp=config.policy.layout.pp, cp=config.policy.layout.cp,
         host=host_group, timeout=dist_timeout(config),

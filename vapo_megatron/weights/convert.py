@@ -1,6 +1,6 @@
 """HF <-> megatron-core checkpoint conversion (what ``tools/convert.py`` runs).
 
-:func:`hf_to_mcore` makes a policy or critic checkpoint (``models/checkpoint.py`` format) from
+:func:`hf_to_mcore` makes a policy or critic checkpoint (``checkpoint/model.py`` format) from
 an HF directory; :func:`mcore_to_hf` writes an HF directory from a checkpoint saved at any
 TP/PP. Names and TP splits come from the model record, nowhere else. Memory: a rank of
 :func:`hf_to_mcore` holds its own shards once (made from lazily read HF tensors into a
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vapo_megatron.models.checkpoint import (
+from vapo_megatron.checkpoint.model import (
     ASSETS_DIR,
     DTYPE_NAMES,
     CheckpointMetadata,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from vapo_megatron.models.checkpoint import make_metadata
+from vapo_megatron.checkpoint.model import make_metadata
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.weights import hf_io

@@ -52,7 +52,7 @@ decoder.layers.{i}.pre_mlp_layernorm.weight  decoder.layers.{i}.mlp.linear_fc1.
 
 Distributed checkpoints do not see the difference: the local spec maps its norms' keys to the
 TE names (``sharded_state_dict_keys_map`` in megatron's ``get_gpt_layer_local_spec``), so
-checkpoint keys agree between the specs except for ``_extra_state`` (``models/checkpoint.py``).
+checkpoint keys agree between the specs except for ``_extra_state`` (``checkpoint/model.py``).
 
 Shapes (h hidden, nh/ng query/KV heads, d head_dim, f intermediate, V vocab, t TP; Vp is V
 rounded up to a multiple of make_vocab_size_divisible_by * t), HF -> one TP rank's shard:

@@ -1,7 +1,7 @@
 """Worker: the names of a model megatron-core builds with Transformer Engine's layer spec.
 
 Usage: python te_names_worker.py OUT_JSON. One process standing in, under torch's fake
-backend (``trainer.dry_run.stand_in_for``), for one rank of every pipeline stage of each case
+backend (``planning.dry_run.stand_in_for``), for one rank of every pipeline stage of each case
 of ``tests/unit/test_te_names.py`` at TP 2, PP 1 and 2. TE cannot be installed here, so
 megatron's ``get_gpt_layer_with_transformer_engine_spec`` gets stand-ins of TE's modules that
 register what TE 2.11's do (``FakeTESpecProvider``); which modules exist, and where, is
@@ -24,7 +24,7 @@ from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models import provider
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.model_groups import build_model_groups, layout_sizes, rank_groups
-from vapo_megatron.trainer.dry_run import on_meta, stand_in_for
+from vapo_megatron.planning.dry_run import on_meta, stand_in_for
 
 
 def names_of(case: str, pp: int, rank: int) -> tuple[int, dict]:

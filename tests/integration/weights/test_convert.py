@@ -1,4 +1,4 @@
-"""tools/convert.py and models/checkpoint.py: HF -> Megatron -> HF round trips, resharding on
+"""tools/convert.py and checkpoint/model.py: HF -> Megatron -> HF round trips, resharding on
 load, critics, verify, and every bad input with its message.
 
 Tiny random Qwen2 models in several shapes (tied/untied, GQA ratios 1 and 4, vocabularies that
@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.launcher import REPO_ROOT, run_workers
-from vapo_megatron.models import checkpoint as ckpt
+from vapo_megatron.checkpoint import model as ckpt
 from vapo_megatron.weights.hf_io import HFCheckpoint
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ sources (TE cannot be built on this CPU machine), and the whole state-dict key s
 and loading, streaming and exporting through them must round-trip bit-identically. The whole
 key set is compared with a model megatron builds around stand-ins of TE's modules in
 ``tests/distributed/test_te_names_model.py``; checkpoint tolerance of ``_extra_state`` is in
-``tests/distributed/test_te_checkpoint.py``.
+``tests/distributed/checkpoint/test_te_checkpoint.py``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from vapo_megatron.config.recipe import load_recipe
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.trainer import dry_run
+from vapo_megatron.planning import dry_run
 from vapo_megatron.trainer.session import build_engine, build_groups
 
 # Small enough to build in seconds, divisible by every layout the test asks for.

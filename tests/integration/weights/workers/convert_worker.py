@@ -24,8 +24,8 @@ import torch.distributed as dist
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
+from vapo_megatron.checkpoint import model as ckpt
 from vapo_megatron.config.layout import ModelLayout
-from vapo_megatron.models import checkpoint as ckpt
 from vapo_megatron.models.provider import build_model, transformer_config
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 from vapo_megatron.weights import convert as conv

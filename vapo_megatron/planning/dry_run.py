@@ -15,8 +15,8 @@ allocated. The figures are then read from the built objects:
   copies that are not views of the model's, and Adam's moments, created by megatron's own
   ``init_state_fn`` as a checkpoint save does for a fresh optimizer);
 - **checkpoint**: the tensors this rank writes, from the save plan of the trainer's
-  checkpoint (``checkpointing._model_sharded_state`` and the optimizer's
-  ``sharded_state_dict``, split by megatron's fully parallel strategy over the model's
+  checkpoint (``checkpoint.state.sharded_state``: the model's and the optimizer's
+  sharded state dicts, split by megatron's fully parallel strategy over the model's
   DP x CP group, ``exchange_utils.determine_main_replica_uniform_distribution``). Under the
   fake backend that strategy's metadata exchange (``all_gather_object``) returns nothing,
   so each peer of the group is built as well and its shard list handed in as the exchange
@@ -28,9 +28,9 @@ allocated. The figures are then read from the built objects:
   the step (``shard_path.step_share``), else ``batching.dp_share``; and its micro-batches
   (``batching.plan_micro_batches``).
 
-Beside each byte figure stands the planner's (``models/memory_plan.py``, what
+Beside each byte figure stands the planner's (``planning/memory.py``, what
 ``tools/plan.py`` prints for the recipe) and the difference (printed by
-``trainer/dry_run_report.py``). What is not built is named in
+``planning/dry_run_report.py``). What is not built is named in
 the report with the reason (``FALLBACKS``). Layouts that cannot work fail with the message the
 real run gives, from the same checks (``TrainConfig.check``, ``build_model_groups``,
 ``ModelLayout.check``).
@@ -50,9 +50,11 @@ import torch.distributed as dist
 
 from vapo_megatron.config.gpu import FUSION_KERNELS, GpuSettings
 from vapo_megatron.config.train import TrainConfig
-from vapo_megatron.models import memory_plan as mp
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.devices import HOST, building_on
+from vapo_megatron.planning import memory as mp
+from vapo_megatron.planning.params import shard_param_count
+from vapo_megatron.planning.workload import planner_workload
 from vapo_megatron.step.rollout import replica_share
 
 META = torch.device("meta")
@@ -88,7 +90,7 @@ class ModelFigures:
     planned: dict[str, int]
     """The planner's bytes for this rank's pipeline stage: params, grads, optimizer."""
     planned_param_count: int
-    """``memory_plan.shard_param_count`` of this rank's stage."""
+    """``params.shard_param_count`` of this rank's stage."""
     checkpoint: dict[str, int]
     """What this rank writes of a training checkpoint: weights_bytes, weights_tensors,
     optimizer_bytes, optimizer_tensors; group_tensors: shards held in its DP x CP group
@@ -200,10 +202,13 @@ def make_adam_state(engine) -> None:
     """Adam's moments, as after the first step, from megatron's own ``init_state_fn`` (what a
     checkpoint load lays out before it reads), with the distributed optimizer's per-parameter
     step that the trainer's save gives a fresh optimizer."""
-    from vapo_megatron.trainer import checkpointing as ckpt
+    from vapo_megatron.checkpoint.optimizer_state import (
+        fill_fresh_optimizer_state,
+        sub_optimizers,
+    )
 
-    for opt in ckpt.sub_optimizers(engine.optimizer):
-        ckpt.fill_fresh_optimizer_state(opt)
+    for opt in sub_optimizers(engine.optimizer):
+        fill_fresh_optimizer_state(opt)
 
 
 def _checkpoint_shards(engine) -> tuple[dict, dict]:
@@ -211,14 +216,9 @@ def _checkpoint_shards(engine) -> tuple[dict, dict]:
     (the optimizer's from the model's before its factories apply), factories applied."""
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
-    from vapo_megatron.trainer import checkpointing as ckpt
+    from vapo_megatron.checkpoint.state import TrainableState, sharded_state
 
-    state = ckpt.TrainableState.from_engine(engine)
-    make_adam_state(engine)
-    model_sd = ckpt._model_sharded_state(state)
-    optimizer_sd = engine.optimizer.sharded_state_dict(
-        model_sd, is_loading=False, metadata=ckpt._optimizer_metadata(state)
-    )
+    model_sd, optimizer_sd = sharded_state(TrainableState.from_engine(engine), is_loading=False)
     apply_factories(model_sd)
     apply_factories(optimizer_sd)
     return model_sd, optimizer_sd
@@ -281,7 +281,7 @@ def _ranks(group: dist.ProcessGroup | None) -> list[int]:
 
 def engine_bytes(engine) -> dict[str, int]:
     """params, param_buffer, grads, optimizer: bytes of the engine's built tensors."""
-    from vapo_megatron.trainer.checkpointing import sub_optimizers
+    from vapo_megatron.checkpoint.optimizer_state import sub_optimizers
 
     params = [p for chunk in engine.chunks for p in chunk.parameters()]
     model_ids = {id(p) for p in params}
@@ -365,33 +365,6 @@ def _data_share(config: TrainConfig, engine, counts: list[int], path: str) -> di
         "tokens": sum(counts[i] for i in share),
         "micro_batches": batches,
     }
-
-
-def planner_workload(config: TrainConfig, world_size: int) -> mp.Workload:
-    """The planner's workload for a recipe: what ``tools/plan.py --recipe`` plans."""
-    bf16 = config.model.dtype == "bfloat16"
-    grad_fp32 = config.gpu.grad_reduce_in_fp32
-    as_tuple = lambda r: (r.granularity, r.method, r.num_layers)  # noqa: E731
-    return mp.Workload(
-        world_size=world_size,
-        prompt_len=config.data.max_prompt_tokens,
-        response_len=config.rollout.max_new_tokens,
-        micro_batch_tokens=config.trainer.micro_batch_tokens,
-        bf16=bf16,
-        distributed_optimizer=config.policy.optim.distributed_optimizer,
-        critic_distributed_optimizer=config.critic.optim.distributed_optimizer,
-        uses_critic=config.algorithm.uses_critic,
-        policy_recompute=as_tuple(config.policy.recompute),
-        critic_recompute=as_tuple(config.critic.recompute),
-        grad_reduce_in_fp32=bf16 if grad_fp32 == "auto" else bool(grad_fp32),
-        rollout_tp=config.rollout.tensor_parallel_size,
-        gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-        offload="rollout" if config.rollout.offload_training_state else "none",
-        enforce_eager=config.rollout.enforce_eager,
-        sleep_level=config.rollout.sleep_level,
-        checkpoint_async=config.trainer.checkpoint_async,
-        samples_per_step=config.algorithm.prompts_per_step * config.algorithm.samples_per_prompt,
-    )
 
 
 def dry_run(
@@ -482,6 +455,6 @@ def _figures(
             "checkpoint": mp.checkpoint_bytes(hf, layout, work, head=head, pp_rank=pp_rank,
                                               tp_rank=groups.tp_rank),
         },
-        "planned_param_count": mp.shard_param_count(hf, layout, head=head, pp_rank=pp_rank),
+        "planned_param_count": shard_param_count(hf, layout, head=head, pp_rank=pp_rank),
         "checkpoint": checkpoint,
     }  # fmt: skip

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tests.unit.test_model_record import qwen2_config
 
+from tests.unit.weights.test_record import qwen2_config
+from vapo_megatron.checkpoint import model as ckpt
 from vapo_megatron.config.layout import ModelLayout
-from vapo_megatron.models import checkpoint as ckpt
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.norm import RMSNorm
 from vapo_megatron.models.provider import build_model, transformer_config
@@ -67,7 +67,7 @@ def load(model: torch.nn.Module, directory: Path) -> dict:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("vapo_megatron.models.checkpoint")
+    logger = logging.getLogger("vapo_megatron.checkpoint.model")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:

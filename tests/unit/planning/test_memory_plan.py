@@ -1,4 +1,4 @@
-"""The planner's model (vapo_megatron/models/memory_plan.py).
+"""The planner's model (vapo_megatron/planning/memory.py).
 
 Parameter counts are checked against megatron-core models built on CPU in two gloo ranks (this
 file is also the worker: ``python test_memory_plan.py OUT_DIR``); the rest against the
@@ -19,11 +19,15 @@ from pathlib import Path
 import pytest
 
 from vapo_megatron.config.layout import ModelLayout
-from vapo_megatron.models import memory_plan as mp
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.logprobs import LOGPROB_CHUNK_TOKENS
+from vapo_megatron.planning import memory as mp
+from vapo_megatron.planning.params import shard_param_count, total_param_count
+from vapo_megatron.planning.plan_report import format_plan, plan_summary
+from vapo_megatron.planning.presets import GPUS, MODEL_PRESETS
+from vapo_megatron.planning.workload import FULL_RECOMPUTE, GIB, Workload
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
          "num_attention_heads": 4, "vocab_size": 250, "max_position_embeddings": 512,
@@ -43,7 +47,7 @@ LAYOUTS = [(2, 1, None), (1, 2, None), (1, 2, 2)]
 
 
 def hf(name: str) -> HFModelConfig:
-    return HFModelConfig.from_hf(CONFIGS[name] if name in CONFIGS else mp.MODEL_PRESETS[name])
+    return HFModelConfig.from_hf(CONFIGS[name] if name in CONFIGS else MODEL_PRESETS[name])
 
 
 def worker(out_dir: str) -> None:
@@ -75,7 +79,7 @@ def test_shard_counts_equal_megatron_builds(tmp_path: Path) -> None:
     assert len(rows) == 2 * len(LAYOUTS) * len(CONFIGS) * 2
     for row in rows:
         layout = ModelLayout(tp=row["tp"], pp=row["pp"], vpp=row["vpp"])
-        want = mp.shard_param_count(hf(row["config"]), layout, head=row["head"],
+        want = shard_param_count(hf(row["config"]), layout, head=row["head"],
                                     pp_rank=row["pp_rank"])  # fmt: skip
         assert want == row["count"], row
 
@@ -91,13 +95,13 @@ def test_shard_counts_equal_megatron_builds(tmp_path: Path) -> None:
     ],
 )
 def test_presets_have_the_published_sizes(name: str, billions: float) -> None:
-    assert mp.total_param_count(hf(name), head="lm") / 1e9 == pytest.approx(billions, abs=0.01)
+    assert total_param_count(hf(name), head="lm") / 1e9 == pytest.approx(billions, abs=0.01)
 
 
-def paper_workload(**kw) -> mp.Workload:
+def paper_workload(**kw) -> Workload:
     base = dict(world_size=128, prompt_len=2048, response_len=20480, micro_batch_tokens=16384,
                 rollout_tp=4, gpu_memory_utilization=0.6)  # fmt: skip
-    return mp.Workload(**{**base, **kw})
+    return Workload(**{**base, **kw})
 
 
 PAPER = ModelLayout(tp=8, cp=2, sequence_parallel=True)
@@ -106,7 +110,7 @@ BLOCK_24 = ("full", "block", 24)
 
 @pytest.mark.unit
 def test_paper_layout_needs_offload_and_recompute_for_vllm_at_0_6() -> None:
-    gpu, model = mp.GPUS["h100-80gb"], hf("qwen2.5-32b")
+    gpu, model = GPUS["h100-80gb"], hf("qwen2.5-32b")
     resident = mp.plan(model, gpu, PAPER, PAPER, paper_workload())
     # vLLM's 0.6 share beside two resident 32B training states is too much, and the update
     # leaves less than the 8 GiB of headroom wanted: no share of vLLM's fixes that.
@@ -115,9 +119,9 @@ def test_paper_layout_needs_offload_and_recompute_for_vllm_at_0_6() -> None:
     offloaded = paper_workload(offload="rollout", policy_recompute=BLOCK_24,
                                critic_recompute=BLOCK_24, gpu_memory_utilization=0.7)  # fmt: skip
     fitted = mp.plan(model, gpu, PAPER, PAPER, offloaded)
-    assert fitted.fits and fitted.headroom >= 8 * mp.GIB
-    assert all(gpu.memory_bytes - need >= 8 * mp.GIB for need in fitted.phases.values())
-    assert fitted.phases["rollout"] < resident.phases["rollout"] - 40 * mp.GIB
+    assert fitted.fits and fitted.headroom >= 8 * GIB
+    assert all(gpu.memory_bytes - need >= 8 * GIB for need in fitted.phases.values())
+    assert fitted.phases["rollout"] < resident.phases["rollout"] - 40 * GIB
     assert fitted.concurrent_sequences > 20 and fitted.rollout_seconds < resident.rollout_seconds
     pinned = fitted.pinned["training_state"]  # grads are dropped, not copied
     assert pinned.label == "exact" and pinned.nbytes == sum(
@@ -132,8 +136,8 @@ def test_paper_layout_needs_offload_and_recompute_for_vllm_at_0_6() -> None:
 @pytest.mark.unit
 def test_search_proposes_the_paper_layout_with_offload() -> None:
     work = paper_workload(offload="rollout", policy_recompute=BLOCK_24, critic_recompute=BLOCK_24)
-    best = mp.propose(hf("qwen2.5-32b"), mp.GPUS["h100-80gb"], work, gpus_per_node=8)
-    assert best is not None and best.fits and best.headroom >= 8 * mp.GIB
+    best = mp.propose(hf("qwen2.5-32b"), GPUS["h100-80gb"], work, gpus_per_node=8)
+    assert best is not None and best.fits and best.headroom >= 8 * GIB
     assert (best.policy.tp, best.policy.pp, best.policy.cp) == (8, 1, 2)
     assert best.workload.gpu_memory_utilization >= 0.6
 
@@ -141,21 +145,21 @@ def test_search_proposes_the_paper_layout_with_offload() -> None:
 @pytest.mark.unit
 def test_32b_on_one_gpu_does_not_fit() -> None:
     work = paper_workload(world_size=1, rollout_tp=1)
-    assert mp.propose(hf("qwen2.5-32b"), mp.GPUS["h100-80gb"], work, gpus_per_node=1) is None
-    one = mp.plan(hf("qwen2.5-32b"), mp.GPUS["h100-80gb"], ModelLayout(), ModelLayout(), work)
-    assert not one.fits and one.peak > 10 * mp.GIB * 80
+    assert mp.propose(hf("qwen2.5-32b"), GPUS["h100-80gb"], work, gpus_per_node=1) is None
+    one = mp.plan(hf("qwen2.5-32b"), GPUS["h100-80gb"], ModelLayout(), ModelLayout(), work)
+    assert not one.fits and one.peak > 10 * GIB * 80
     # No room for one sequence of KV cache: the summary and the table say so, not crash.
     assert one.kv_cache <= 0 or one.concurrent_sequences < 1
-    assert mp.plan_summary(one)["rollout_seconds_estimated"] is None
-    assert "never: the KV cache holds less than one sequence" in mp.format_plan(one, "32B x 1")
+    assert plan_summary(one)["rollout_seconds_estimated"] is None
+    assert "never: the KV cache holds less than one sequence" in format_plan(one, "32B x 1")
 
 
 @pytest.mark.unit
 def test_layouts_that_do_not_divide_are_flagged() -> None:
     model = hf("qwen2.5-32b")
-    bad_tp = mp.plan(model, mp.GPUS["h100-80gb"], ModelLayout(tp=16), None, paper_workload())
+    bad_tp = mp.plan(model, GPUS["h100-80gb"], ModelLayout(tp=16), None, paper_workload())
     assert any("num_attention_heads=40" in p for p in bad_tp.problems)
-    bad_world = mp.plan(model, mp.GPUS["h100-80gb"], ModelLayout(tp=8, cp=2), None,
+    bad_world = mp.plan(model, GPUS["h100-80gb"], ModelLayout(tp=8, cp=2), None,
                         paper_workload(world_size=24))  # fmt: skip
     assert any("does not divide" in p for p in bad_world.problems)
     assert mp.rollout_tp_problems(model, 3, 24)  # 40 heads over 3 ranks
@@ -163,16 +167,16 @@ def test_layouts_that_do_not_divide_are_flagged() -> None:
 
 @pytest.mark.unit
 def test_what_the_trainer_keeps_is_counted() -> None:
-    model, gpu = hf("qwen2.5-32b"), mp.GPUS["h100-80gb"]
+    model, gpu = hf("qwen2.5-32b"), GPUS["h100-80gb"]
     base = mp.plan(model, gpu, PAPER, PAPER, paper_workload(gpu_memory_utilization=0.3))
     work = base.workload
     act = lambda **kw: mp.plan(model, gpu, PAPER, PAPER, replace(work, **kw)).policy_memory  # noqa: E731
-    full = act(policy_recompute=mp.FULL_RECOMPUTE).activations
+    full = act(policy_recompute=FULL_RECOMPUTE).activations
     block = act(policy_recompute=BLOCK_24).activations
     selective = act(policy_recompute=("selective", None, None)).activations
     assert full < block < base.policy_memory.activations == selective  # no s^2 term counted
     assert full < base.policy_memory.activations / 5
-    assert act(critic_recompute=mp.FULL_RECOMPUTE).activations == base.policy_memory.activations
+    assert act(critic_recompute=FULL_RECOMPUTE).activations == base.policy_memory.activations
     # Logits as implemented: 4 B per element (bf16 kept + bf16 grad) plus one fp32 chunk.
     tokens = math.ceil(max(work.micro_batch_tokens, work.sequence_len) / 2)  # over CP 2
     vocab_local = model.padded_vocab_size(8) // 8
@@ -186,14 +190,14 @@ def test_what_the_trainer_keeps_is_counted() -> None:
     off = mp.plan(model, gpu, PAPER, PAPER, replace(work, offload="rollout"))
     reserve = sum(off.reserve.values())
     assert off.phases["rollout"] == int(0.3 * gpu.memory_bytes) + reserve
-    assert off.phases["weight_sync"] < base.phases["weight_sync"] - 30 * mp.GIB
+    assert off.phases["weight_sync"] < base.phases["weight_sync"] - 30 * GIB
     assert off.phases["policy_update"] == base.phases["policy_update"]
     # CUDA graphs come out of vLLM's budget; eager mode leaves them to the KV cache.
     eager = mp.plan(model, gpu, PAPER, PAPER, replace(work, enforce_eager=True))
     assert eager.kv_cache - base.kv_cache == mp.VLLM_CUDA_GRAPHS
-    summary = mp.plan_summary(base)
+    summary = plan_summary(base)
     assert summary["layout"]["policy"]["dp"] == 8 and summary["layout"]["rollout_tp"] == 4
-    assert summary["headroom_gib"] == round(base.headroom / mp.GIB, 2)
+    assert summary["headroom_gib"] == round(base.headroom / GIB, 2)
     json.dumps(summary)  # the CLI's last line
 
 
@@ -207,7 +211,7 @@ def test_pinned_blocks_round_up_to_powers_of_two() -> None:
 def test_pinned_host_memory_counts_every_part() -> None:
     """Every pinned byte a GPU's rank holds, labelled: the offloaded training state (exact, no
     grads), megatron's checkpoint staging and vLLM's sleep backups (estimated); per node too."""
-    model, gpu = hf("qwen2.5-32b"), mp.GPUS["h100-80gb"]
+    model, gpu = hf("qwen2.5-32b"), GPUS["h100-80gb"]
     work = paper_workload(offload="rollout", policy_recompute=BLOCK_24,
                           critic_recompute=BLOCK_24, gpu_memory_utilization=0.7)  # fmt: skip
     base = mp.plan(model, gpu, PAPER, PAPER, work)
@@ -222,7 +226,7 @@ def test_pinned_host_memory_counts_every_part() -> None:
     assert parts["training_state"].nbytes == sum(m.params + m.optimizer for m in models)
     assert base.host_bytes == sum(p.nbytes for p in parts.values())
     assert base.host_bytes_per_node == 8 * base.host_bytes
-    assert 25 * mp.GIB < base.host_bytes < 35 * mp.GIB  # was "51 GiB [exact]" with grads
+    assert 25 * GIB < base.host_bytes < 35 * GIB  # was "51 GiB [exact]" with grads
     # Staging: each model's per-rank checkpoint share, power-of-two rounded (1 to 2x); a sync
     # save reuses the blocks model after model, an async one stages both at once.
     shares = [mp.checkpoint_bytes(model, PAPER, work, head=h, pp_rank=0) for h in ("lm", "value")]
@@ -240,12 +244,12 @@ def test_pinned_host_memory_counts_every_part() -> None:
     assert base.phases["policy_update"] == eager.phases["policy_update"]
     resident = mp.plan(model, gpu, PAPER, PAPER, replace(work, offload="none"))
     assert "training_state" not in resident.pinned
-    table = mp.format_plan(base, "32B")
+    table = format_plan(base, "32B")
     assert "per 8-GPU node" in table
     assert all(f"[{p.label}] {p.what}" in table for p in parts.values())
-    summary = mp.plan_summary(base)
+    summary = plan_summary(base)
     assert summary["pinned_gib_per_gpu"]["training_state"]["label"] == "exact"
-    assert summary["host_gib_per_node"] == round(base.host_bytes_per_node / mp.GIB, 1)
+    assert summary["host_gib_per_node"] == round(base.host_bytes_per_node / GIB, 1)
 
 
 def _plan_tool():
@@ -289,13 +293,13 @@ if __name__ == "__main__":
 
 @pytest.mark.unit
 def test_checkpoint_bytes_per_rank_and_the_critics_own_optimizer() -> None:
-    """The per-rank checkpoint figure the dry run (trainer/dry_run.py) checks against megatron's
+    """The per-rank checkpoint figure the dry run (planning/dry_run.py) checks against megatron's
     save plan: weights + fp32 main copy + two moments, split over DP x CP; norms replicated over
     TP only from TP rank 0 (with the distributed optimizer, only their weights); fp32 with the
     distributed optimizer saves its main copy too; the critic's optimizer setting is its own."""
     model = hf("qwen2.5-32b")
     work = paper_workload()
-    params = mp.shard_param_count(model, PAPER, head="lm", pp_rank=0)
+    params = shard_param_count(model, PAPER, head="lm", pp_rank=0)
     norms = mp.tp_replicated_param_count(model, PAPER, head="lm", pp_rank=0)
     assert norms == (2 * 64 + 1) * 5120
     first = mp.checkpoint_bytes(model, PAPER, work, head="lm", pp_rank=0, tp_rank=0)
@@ -313,5 +317,5 @@ def test_checkpoint_bytes_per_rank_and_the_critics_own_optimizer() -> None:
     critic_plain = replace(work, critic_distributed_optimizer=False)
     critic = mp.stage_state(model, PAPER, critic_plain, head="value", pp_rank=0)
     policy = mp.stage_state(model, PAPER, critic_plain, head="lm", pp_rank=0)
-    assert critic.optimizer == 12 * mp.shard_param_count(model, PAPER, head="value", pp_rank=0)
+    assert critic.optimizer == 12 * shard_param_count(model, PAPER, head="value", pp_rank=0)
     assert policy.optimizer == math.ceil(12 * params / 16)

@@ -18,13 +18,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from vapo_megatron.checkpoint.directory import step_dir_name
+from vapo_megatron.checkpoint.save import CheckpointSaver
+from vapo_megatron.checkpoint.state import TrainableState
 from vapo_megatron.config.recipe import load_recipe
-from vapo_megatron.models import hf_io
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.collectives import make_host_group
-from vapo_megatron.trainer import checkpointing as ckpt
-from vapo_megatron.trainer import dry_run
+from vapo_megatron.planning import dry_run
 from vapo_megatron.trainer.session import build_engine, build_groups, init_distributed
+from vapo_megatron.weights import hf_io
 
 
 def main() -> None:
@@ -47,10 +49,10 @@ def main() -> None:
             "param_count": sum(p.numel() for c in engine.chunks for p in c.parameters()),
             "built_bytes": dry_run.engine_bytes(engine),
         }  # fmt: skip
-        states[role] = ckpt.TrainableState.from_engine(engine)
-    ckpt.CheckpointSaver().save(Path(root), 1, states, {}, keep_last=0, group=host)
+        states[role] = TrainableState.from_engine(engine)
+    CheckpointSaver().save(Path(root), 1, states, {}, keep_last=0, group=host)
     # torch_dist names each rank's data files __RANK_*.distcp
-    step = Path(root) / ckpt.step_dir_name(1)
+    step = Path(root) / step_dir_name(1)
     out["written"] = {
         str(path.relative_to(step)): path.stat().st_size
         for path in sorted(step.rglob(f"__{rank}_*.distcp"))

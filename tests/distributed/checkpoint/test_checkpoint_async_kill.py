@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.launcher import run_workers
-from vapo_megatron.trainer.checkpointing import latest_step
+from vapo_megatron.checkpoint.directory import latest_step
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).parent / "workers" / "async_kill_worker.py"

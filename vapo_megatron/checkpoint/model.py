@@ -215,7 +215,7 @@ def save_sharded_state(state: dict, ckpt_dir: str | os.PathLike, meta: Checkpoin
     if any(ckpt_dir.iterdir()):
         raise ValueError(f"{ckpt_dir} is not empty; a checkpoint needs an empty directory")
     collectives.barrier(None)  # every rank saw it empty before anyone writes
-    with _in_process_write_results():
+    with in_process_write_results():
         dist_checkpointing.save(state, str(ckpt_dir))
     if dist.get_rank() == 0:
         text = json.dumps(dataclasses.asdict(meta), indent=2, sort_keys=True) + "\n"
@@ -318,7 +318,7 @@ def _sharded_state_dict(model: torch.nn.Module, dp_cp_group: dist.ProcessGroup |
 
 
 @contextlib.contextmanager
-def _in_process_write_results() -> Iterator[None]:
+def in_process_write_results() -> Iterator[None]:
     """A synchronous save's write results through a plain queue: megatron's writer otherwise
     starts, once per process, a multiprocessing Manager in a *spawned* process that re-imports
     the entry script (~5 s per rank) to carry results that never leave this process."""

@@ -1,6 +1,6 @@
 """What ``vapo-train RECIPE --dry-run`` prints: per rank a table (groups, bytes built beside the
 planner's, the checkpoint share, the step share), what was not built, and a JSON summary last.
-The building and the figures are ``trainer/dry_run.py``'s."""
+The building and the figures are ``planning/dry_run.py``'s."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from vapo_megatron.config.train import TrainConfig
-from vapo_megatron.models import memory_plan as mp
-from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.trainer.dry_run import FALLBACKS, RankReport, dry_run
+from vapo_megatron.planning.dry_run import FALLBACKS, RankReport, dry_run
+from vapo_megatron.planning.presets import read_model_config
+from vapo_megatron.planning.workload import GIB
 
 ROWS = (
     ("params", "params (model tensors)"),
@@ -49,15 +48,15 @@ def format_report(report: RankReport) -> str:
         lines.append(f"   {'':32}{'built GiB':>10}{'planner GiB':>12}{'diff bytes':>16}")
         for key, label in ROWS:
             built, planned = m.built[key], m.planned.get(key)
-            cells = f"{built / mp.GIB:10.3f}"
+            cells = f"{built / GIB:10.3f}"
             if planned is not None:
-                cells += f"{planned / mp.GIB:12.3f}{built - planned:>+16,}"
+                cells += f"{planned / GIB:12.3f}{built - planned:>+16,}"
             lines.append(f"   {label:32}{cells}")
         c = m.checkpoint
         lines.append(
             f"   checkpoint    writes {c['weights_tensors']} weight shards "
-            f"({c['weights_bytes'] / mp.GIB:.3f} GiB) and {c['optimizer_tensors']} optimizer "
-            f"shards ({c['optimizer_bytes'] / mp.GIB:.3f} GiB) of the {c['group_tensors']} its "
+            f"({c['weights_bytes'] / GIB:.3f} GiB) and {c['optimizer_tensors']} optimizer "
+            f"shards ({c['optimizer_bytes'] / GIB:.3f} GiB) of the {c['group_tensors']} its "
             f"DP x CP group holds"
         )
         d = m.data
@@ -106,22 +105,6 @@ def summary(reports: Sequence[RankReport]) -> dict[str, Any]:
         ],
         "not_built": list(FALLBACKS),
     }
-
-
-def read_model_config(spec: str | None, model_path: str) -> tuple[str, HFModelConfig]:
-    """The model to build: a planner preset (``memory_plan.MODEL_PRESETS``), an HF
-    config.json or its directory; None: the recipe's model.path."""
-    spec = model_path if spec is None else spec
-    if spec in mp.MODEL_PRESETS:
-        return spec, HFModelConfig.from_hf(mp.MODEL_PRESETS[spec])
-    path = Path(spec)
-    path = path / "config.json" if path.is_dir() else path
-    if not path.is_file():
-        raise ValueError(
-            f"model {spec!r} is neither a preset ({', '.join(sorted(mp.MODEL_PRESETS))}) nor an "
-            "HF config.json; pass --model PRESET when the checkpoint is not on this machine"
-        )
-    return str(path), HFModelConfig.from_hf(json.loads(path.read_text()))
 
 
 def run(config: TrainConfig, *, model: str | None, world_size: int, ranks: Sequence[int]) -> None:

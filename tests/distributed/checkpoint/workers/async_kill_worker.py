@@ -21,17 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.distributed.workers.train_checkpoint_worker import Run
-from tests.distributed.workers.train_step_worker import make_samples, make_weights
+from tests.distributed.checkpoint.workers.train_checkpoint_worker import Run
+from tests.distributed.step.workers.train_step_worker import make_samples, make_weights
+from vapo_megatron.checkpoint import save as checkpoint_save
+from vapo_megatron.checkpoint.directory import complete_steps, latest_step
+from vapo_megatron.checkpoint.load import load_train_checkpoint
+from vapo_megatron.checkpoint.save import CheckpointSaver
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
-from vapo_megatron.trainer import checkpointing
-from vapo_megatron.trainer.checkpointing import (
-    CheckpointSaver,
-    complete_steps,
-    latest_step,
-    load_train_checkpoint,
-)
 
 
 def slow_writer(calls) -> None:
@@ -51,7 +48,7 @@ def kill_phase(root: Path, run: Run) -> None:
     assert saver.finish() == 2 and latest_step(root) == 2
     for _ in (3, 4):
         run.train_step()
-    checkpointing._run_calls = slow_writer  # the fork below inherits it
+    checkpoint_save._run_calls = slow_writer  # the fork below inherits it
     saver.save(root, 4, run.states, {"step": 4}, keep_last=2)
     written = None
     for _ in range(600):  # the writer's first file set on disk

@@ -25,18 +25,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.distributed.workers.train_checkpoint_worker import Run
-from tests.distributed.workers.train_step_worker import make_samples, make_weights
+from tests.distributed.checkpoint.workers.train_checkpoint_worker import Run
+from tests.distributed.step.workers.train_step_worker import make_samples, make_weights
+from vapo_megatron.checkpoint.directory import FORMAT, MARKER, OLD_FORMAT_COMMIT, step_dir_name
+from vapo_megatron.checkpoint.load import load_train_checkpoint
+from vapo_megatron.checkpoint.save import save_train_checkpoint
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
-from vapo_megatron.trainer.checkpointing import (
-    FORMAT,
-    MARKER,
-    OLD_FORMAT_COMMIT,
-    load_train_checkpoint,
-    save_train_checkpoint,
-    step_dir_name,
-)
 
 CASES = {  # name: (saved layout, distributed optimizer, fully_reshardable, steps before the save)
     "DP2": (ModelLayout(), True, False, 2),

@@ -20,20 +20,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.distributed.workers.train_checkpoint_worker import (
+from tests.distributed.checkpoint.workers.train_checkpoint_worker import (
     CASES,
     Run,
     assert_identical,
     rng_draws,
     snapshot,
 )
-from tests.distributed.workers.train_step_worker import (
+from tests.distributed.step.workers.train_step_worker import (
     critic_factory,
     make_samples,
     make_weights,
 )
+from vapo_megatron.checkpoint.load import load_train_checkpoint
+from vapo_megatron.checkpoint.save import CheckpointSaver
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
-from vapo_megatron.trainer.checkpointing import CheckpointSaver, load_train_checkpoint
 
 
 class LazyFusedAdam(torch.optim.Optimizer):

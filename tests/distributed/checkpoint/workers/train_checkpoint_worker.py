@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
-from tests.distributed.workers.train_step_worker import (
+from tests.distributed.step.workers.train_step_worker import (
     HF_CONFIG,
     OPTIM,
     critic_factory,
@@ -33,23 +33,18 @@ from tests.distributed.workers.train_step_worker import (
     make_weights,
     policy_factory,
 )
+from vapo_megatron.checkpoint.directory import LATEST, MARKER, complete_steps
+from vapo_megatron.checkpoint.load import load_train_checkpoint
+from vapo_megatron.checkpoint.model import make_metadata
+from vapo_megatron.checkpoint.save import CheckpointSaver, save_train_checkpoint
+from vapo_megatron.checkpoint.state import TrainableState
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.data.packing import pad
-from vapo_megatron.models.checkpoint import make_metadata
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 from vapo_megatron.parallel.model_groups import build_model_groups
 from vapo_megatron.parallel.reductions import global_loss_normalisers
-from vapo_megatron.trainer.checkpointing import (
-    LATEST,
-    MARKER,
-    CheckpointSaver,
-    TrainableState,
-    complete_steps,
-    load_train_checkpoint,
-    save_train_checkpoint,
-)
 from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.trainer.preemption import PreemptionFlag
 

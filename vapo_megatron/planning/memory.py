@@ -4,11 +4,11 @@ The model behind ``tools/plan.py``. Every figure is labelled in its output as on
 
 - **exact**: parameter counts. :func:`shard_param_count` gives the parameters one rank of a
   megatron-core ``GPTModel`` holds at a TP/PP layout (checked against real CPU builds in
-  ``tests/unit/test_memory_plan.py``), so params, grads and Adam state are exact counts times
+  ``tests/unit/planning/test_memory_plan.py``), so params, grads and Adam state are exact counts times
   their byte sizes: bf16 params 2 B; grads 4 B with ``grad_reduce_in_fp32`` (the recipe's
   ``gpu.grad_reduce_in_fp32``; auto = on for bf16), else 2 B; Adam 12 B (fp32 main copy + two
   moments) divided by the DP x CP ranks under the distributed optimizer. fp32 training: 4 + 4
-  + 8 B. The dry run (``trainer/dry_run.py``) reads the same figures from the objects megatron
+  + 8 B. The dry run (``planning/dry_run.py``) reads the same figures from the objects megatron
   builds at the real layout: equal, except that the distributed optimizer pads each DDP bucket
   to a multiple of lcm(DP x CP, 128) elements and shards along bucket boundaries (zero
   difference at the recipes' DP x CP = 16; +1.5 KB of grads and a few KB of optimizer per rank
@@ -67,8 +67,17 @@ from typing import Literal
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.models.logprobs import LOGPROB_CHUNK_TOKENS
+from vapo_megatron.planning.params import (
+    shard_param_count,
+    shard_tensor_numels,
+    total_param_count,
+)
+from vapo_megatron.planning.presets import GPUSpec
+from vapo_megatron.planning.workload import (
+    GIB,
+    Workload,
+)
 
-GIB = 1 << 30
 VLLM_OVERHEAD = int(1.5 * GIB)
 """vLLM's non-KV memory besides weights and CUDA graphs on one GPU: activations of its profile
 run, sampler (an estimate; vLLM measures it at start)."""
@@ -95,165 +104,6 @@ LOGIT_CHUNK_BYTES = 16
 """fp32 temporaries per element of one log-prob chunk (measured on CPU, same test)."""
 SYNC_BUCKET = 256 << 20
 """rollout.weight_bucket_bytes default: extra memory of one weight-sync message."""
-
-Offload = Literal["none", "optimizer", "rollout"]
-OFFLOADS: dict[str, str] = {
-    "none": "everything resident (rollout.offload_training_state=false)",
-    "optimizer": "Adam state on the host, step on the CPU (megatron-core optimizer_cpu_offload; "
-    "planning only: not wired into the trainer)",
-    "rollout": "both models' params and Adam state on the host, grads dropped, while vLLM "
-    "starts and is awake (rollout.offload_training_state=true)",
-}
-Recompute = tuple[str | None, str | None, int | None]
-"""(granularity, method, num_layers), as ``RecomputeSettings`` in a recipe."""
-NO_RECOMPUTE: Recompute = (None, None, None)
-FULL_RECOMPUTE: Recompute = ("full", "uniform", 1)
-
-
-@dataclass(frozen=True, kw_only=True)
-class GPUSpec:
-    """One accelerator type."""
-
-    name: str
-    """Preset name."""
-    memory_bytes: int
-    """Device memory as the driver reports it (nvidia-smi's total)."""
-    hbm_bytes_per_s: float
-    """Peak memory bandwidth (the datasheet's)."""
-
-
-GPUS = {
-    "h100-80gb": GPUSpec(name="h100-80gb", memory_bytes=81559 << 20, hbm_bytes_per_s=3.35e12),
-    "h200-141gb": GPUSpec(name="h200-141gb", memory_bytes=143771 << 20, hbm_bytes_per_s=4.8e12),
-}
-
-
-def _qwen2(**kw: object) -> dict[str, object]:
-    base = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064,
-            "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # fmt: skip
-    return {**base, **kw}
-
-
-MODEL_PRESETS: dict[str, dict[str, object]] = {
-    "qwen2.5-7b": _qwen2(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                         num_attention_heads=28, num_key_value_heads=4),
-    "qwen2.5-32b": _qwen2(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-                          num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5),
-    "qwen2.5-72b": _qwen2(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5),
-    "llama-3.1-70b": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
-        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "rope_scaling": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-    },
-}  # fmt: skip
-"""HF config.json values of the published checkpoints (only what the Megatron model reads)."""
-
-
-def shard_tensor_numels(
-    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int
-) -> list[int]:
-    """Elements of each parameter tensor one rank at ``pp_rank`` holds (every TP rank of a
-    stage holds the same shapes, norms replicated)."""
-    tp, pp = layout.tp, layout.pp
-    h, hd = hf.hidden_size, hf.head_dim
-    qkv_out = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * hd
-    layer = [
-        h,  # input RMSNorm weight
-        h,  # pre-MLP RMSNorm weight
-        qkv_out // tp * h,  # fused QKV, column-parallel
-        *([qkv_out // tp] if hf.qkv_bias else []),
-        h * (hf.num_attention_heads * hd // tp),  # output projection, row-parallel
-        2 * hf.intermediate_size // tp * h,  # fused gate/up, column-parallel
-        h * (hf.intermediate_size // tp),  # down projection, row-parallel
-    ]
-    numels = layer * (hf.num_layers // pp)
-    vocab_shard = hf.padded_vocab_size(tp) // tp * h
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    if first:
-        numels.append(vocab_shard)
-    if last:
-        numels.append(h)  # final norm
-        if head == "value":
-            numels.append(h)  # ValueHead: Linear(h, 1), replicated
-        elif not (hf.tie_word_embeddings and first):
-            # Tied under PP: the last stage keeps its own copy, all-reduced with the first's.
-            numels.append(vocab_shard)
-    return numels
-
-
-def shard_param_count(hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int) -> int:
-    """Parameters one rank at ``pp_rank`` holds; equals ``sum(p.numel())`` over its
-    megatron-core ``GPTModel`` chunks."""
-    return sum(shard_tensor_numels(hf, layout, head=head, pp_rank=pp_rank))
-
-
-def total_param_count(hf: HFModelConfig, *, head: Head) -> int:
-    """Parameters of the whole model (TP 1, PP 1, without Megatron's vocabulary padding)."""
-    padded = shard_param_count(hf, ModelLayout(), head=head, pp_rank=0)
-    padding_rows = hf.padded_vocab_size(1) - hf.vocab_size
-    untied_lm = head == "lm" and not hf.tie_word_embeddings
-    return padded - padding_rows * hf.hidden_size * (2 if untied_lm else 1)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Workload:
-    """What one step asks of every GPU (from a recipe or the planner's flags)."""
-
-    world_size: int
-    """Ranks (GPUs) of the job."""
-    prompt_len: int
-    """Longest prompt (data.max_prompt_tokens)."""
-    response_len: int
-    """Longest response (rollout.max_new_tokens)."""
-    micro_batch_tokens: int
-    """Token budget of one packed micro-batch per DP replica (trainer.micro_batch_tokens)."""
-    bf16: bool = True
-    """bf16 training parameters with fp32 grads and Adam (else all fp32)."""
-    distributed_optimizer: bool = True
-    """Shard the policy's Adam state over the DP x CP ranks (policy.optim)."""
-    critic_distributed_optimizer: bool | None = None
-    """The same for the critic (critic.optim); None: as the policy."""
-    policy_recompute: Recompute = NO_RECOMPUTE
-    """The policy's activation recompute (recipe policy.recompute)."""
-    critic_recompute: Recompute = NO_RECOMPUTE
-    """The critic's activation recompute (recipe critic.recompute)."""
-    grad_reduce_in_fp32: bool = True
-    """fp32 gradient buffers (recipe gpu.grad_reduce_in_fp32; auto: on for bf16)."""
-    uses_critic: bool = True
-    """A critic trains next to the policy (GRPO/DAPO: no)."""
-    rollout_tp: int = 1
-    """vLLM tensor parallelism per engine replica."""
-    gpu_memory_utilization: float = 0.5
-    """Share of device memory vLLM takes when awake."""
-    offload: Offload = "none"
-    """What leaves the device, and when (OFFLOADS)."""
-    enforce_eager: bool = False
-    """vLLM without CUDA graphs (rollout.enforce_eager)."""
-    sleep_level: int = 2
-    """vLLM's sleep level (rollout.sleep_level): 1 keeps a pinned host copy of its weights."""
-    checkpoint_async: bool = False
-    """Background checkpoint saves (trainer.checkpoint_async): both models staged at once."""
-    gpus_per_node: int = 8
-    """GPUs (ranks) per node: the per-node pinned host memory."""
-    reserve_bytes: int = 2 * GIB
-    """Per-GPU allocator fragmentation and what nothing else counts (besides the CUDA context
-    and NCCL buffers, which reserve_parts adds)."""
-    min_headroom_bytes: int = 8 * GIB
-    """Memory every phase must leave free."""
-    samples_per_step: int = 512 * 16
-    """Responses generated per step (algorithm.prompts_per_step x samples_per_prompt)."""
-    mean_response_fraction: float = 0.5
-    """Mean response length over the longest (for the rollout time; an estimate)."""
-
-    @property
-    def sequence_len(self) -> int:
-        return self.prompt_len + self.response_len
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -390,7 +240,7 @@ def stage_state(
     hf: HFModelConfig, layout: ModelLayout, work: Workload, *, head: Head, pp_rank: int
 ) -> ModelMemory:
     """Params, grads and Adam bytes of one rank at ``pp_rank`` (activations 0): exact counts
-    times byte sizes (module doc); ``trainer/dry_run.py`` sets them beside the built objects'."""
+    times byte sizes (module doc); ``planning/dry_run.py`` sets them beside the built objects'."""
     params = shard_param_count(hf, layout, head=head, pp_rank=pp_rank)
     param_bytes = 2 if work.bf16 else 4
     adam_bytes = 12 if work.bf16 else 8
@@ -694,113 +544,3 @@ def propose(
             if result.fits and result.concurrent_sequences >= min_concurrent:
                 return result
     return None
-
-
-def layout_summary(layout: ModelLayout, world_size: int) -> dict[str, object]:
-    """{"tp", "pp", "cp", "dp", "vpp", "sequence_parallel"} of one model."""
-    dp = world_size // (layout.tp * layout.pp * layout.cp)
-    return {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "dp": dp, "vpp": layout.vpp,
-            "sequence_parallel": layout.sequence_parallel}  # fmt: skip
-
-
-def recompute_label(recompute: Recompute) -> str:
-    granularity, method, num_layers = recompute
-    if granularity is None:
-        return "none"
-    return granularity if granularity == "selective" else f"full {method} {num_layers}"
-
-
-def plan_summary(result: Plan) -> dict[str, object]:
-    """The JSON the planner prints last: fits, layout, peak and headroom, KV capacity."""
-    work = result.workload
-    layout: dict[str, object] = {"policy": layout_summary(result.policy, work.world_size)}
-    if result.critic is not None:
-        layout["critic"] = layout_summary(result.critic, work.world_size)
-    layout.update(rollout_tp=work.rollout_tp, gpu_memory_utilization=work.gpu_memory_utilization,
-                  offload=work.offload, policy_recompute=recompute_label(work.policy_recompute),
-                  critic_recompute=recompute_label(work.critic_recompute))  # fmt: skip
-    out: dict[str, object] = {"fits": result.fits, "layout": layout, "peak_gib": None}
-    if result.phases:
-        out.update(
-            peak_gib=round(result.peak / GIB, 2),
-            headroom_gib=round(result.headroom / GIB, 2),
-            kv_sequences_per_replica=round(result.concurrent_sequences, 1),
-            # None when the KV cache cannot hold one sequence (the plan lists that problem).
-            rollout_seconds_estimated=(
-                round(result.rollout_seconds) if math.isfinite(result.rollout_seconds) else None
-            ),
-            host_gib_per_gpu=round(result.host_bytes / GIB, 2),
-            host_gib_per_node=round(result.host_bytes_per_node / GIB, 1),
-            pinned_gib_per_gpu={
-                name: {"gib": round(part.nbytes / GIB, 2), "label": part.label}
-                for name, part in result.pinned.items()
-            },
-        )
-    out["problems"] = result.problems
-    return out
-
-
-def format_plan(result: Plan, title: str) -> str:
-    """A readable table of one plan: layouts, per-GPU memory by kind and by phase, vLLM; each
-    figure labelled exact, measured (on CPU) or estimated."""
-    work, gib = result.workload, lambda b: f"{b / GIB:7.2f} GiB"
-    lines = [f"== {title}: {'fits' if result.fits else 'DOES NOT FIT'} =="]
-
-    def fmt(layout: ModelLayout) -> str:
-        ranks = layout.tp * layout.pp * layout.cp
-        dp = work.world_size // ranks if work.world_size % ranks == 0 else "-"
-        vpp = f" vpp{layout.vpp}" if layout.vpp else ""
-        sp = " sp" if layout.sequence_parallel else ""
-        return f"tp{layout.tp} pp{layout.pp}{vpp} cp{layout.cp} dp{dp}{sp}"
-
-    models = [("policy", result.policy, result.policy_memory, work.policy_recompute)]
-    if result.critic is not None:
-        models.append(("critic", result.critic, result.critic_memory, work.critic_recompute))
-    lines.append(f"{'':44}" + "".join(f"{m[0]:>24}" for m in models))
-    lines.append(f"{'layout':44}" + "".join(f"{fmt(m[1]):>24}" for m in models))
-    lines.append(f"{'recompute':44}" + "".join(f"{recompute_label(m[3]):>24}" for m in models))
-    if result.phases:
-        shards = "DP x CP" if work.distributed_optimizer else "not sharded"
-        grad = "fp32" if work.grad_reduce_in_fp32 or not work.bf16 else "bf16"
-        rows = [("params (bf16) [exact]" if work.bf16 else "params (fp32) [exact]", "params"),
-                (f"grads ({grad}) [exact]", "grads"), (f"Adam ({shards}) [exact]", "optimizer"),
-                ("activations [estimated; logits measured]", "activations")]  # fmt: skip
-        for label, attr in rows:
-            cells = "".join(f"{gib(getattr(m[2], attr)):>24}" for m in models)
-            lines.append(f"{label:44}{cells}")
-        replicas = work.world_size // work.rollout_tp
-        lines.append(
-            f"vLLM TP {work.rollout_tp} ({replicas} replicas), gpu_memory_utilization "
-            f"{work.gpu_memory_utilization:.2f}: weights {gib(result.vllm_weights).strip()} "
-            f"[exact], KV cache {gib(result.kv_cache).strip()} per GPU [estimated] = "
-            f"{result.concurrent_sequences:.1f} full {work.sequence_len}-token sequences per "
-            "replica"
-        )
-        seconds = result.rollout_seconds
-        duration = (
-            f"about {seconds / 60:.0f} min per step"
-            if math.isfinite(seconds)
-            else "never: the KV cache holds less than one sequence"
-        )
-        lines.append(
-            f"rollout of {work.samples_per_step} responses (mean "
-            f"{work.mean_response_fraction:.0%} of {work.response_len} tokens): {duration} "
-            f"[estimated, memory-bound decode at "
-            f"{DECODE_EFFICIENCY:.0%} of {result.gpu.hbm_bytes_per_s / 1e12:.2f} TB/s]"
-        )
-        lines.append(f"offload: {work.offload} ({OFFLOADS[work.offload]})")
-        lines.append(
-            f"pinned host memory {gib(result.host_bytes).strip()} per GPU, "
-            f"{gib(result.host_bytes_per_node).strip()} per {work.gpus_per_node}-GPU node:"
-        )
-        for name, part in result.pinned.items():
-            lines.append(f"  {name:22}{gib(part.nbytes)} [{part.label}] {part.what}")
-        parts = ", ".join(f"{name} {b / GIB:.2f}" for name, b in result.reserve.items())
-        lines.append(f"reserve {gib(sum(result.reserve.values())).strip()} per GPU "
-                     f"[estimated: {parts} GiB]")  # fmt: skip
-        lines.append(f"per-GPU peak by phase (of {gib(result.gpu.memory_bytes).strip()}):")
-        for name, need in result.phases.items():
-            free = result.gpu.memory_bytes - need
-            lines.append(f"  {name:22}{gib(need)}   headroom {gib(free)}")
-    lines += [f"  problem: {p}" for p in result.problems]
-    return "\n".join(lines)

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from vapo_megatron.trainer.checkpointing import (
+from vapo_megatron.checkpoint.directory import (
     LATEST,
     MARKER,
     complete_steps,

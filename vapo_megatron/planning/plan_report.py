@@ -1,0 +1,120 @@
+"""The planner's results as a reader sees them: one line per layout and recompute setting, a
+JSON-able summary of a plan, and the plan's table by phase."""
+
+from __future__ import annotations
+
+import math
+
+from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.planning.memory import DECODE_EFFICIENCY, Plan
+from vapo_megatron.planning.workload import GIB, OFFLOADS, Recompute
+
+
+def layout_summary(layout: ModelLayout, world_size: int) -> dict[str, object]:
+    """{"tp", "pp", "cp", "dp", "vpp", "sequence_parallel"} of one model."""
+    dp = world_size // (layout.tp * layout.pp * layout.cp)
+    return {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "dp": dp, "vpp": layout.vpp,
+            "sequence_parallel": layout.sequence_parallel}  # fmt: skip
+
+
+def recompute_label(recompute: Recompute) -> str:
+    granularity, method, num_layers = recompute
+    if granularity is None:
+        return "none"
+    return granularity if granularity == "selective" else f"full {method} {num_layers}"
+
+
+def plan_summary(result: Plan) -> dict[str, object]:
+    """The JSON the planner prints last: fits, layout, peak and headroom, KV capacity."""
+    work = result.workload
+    layout: dict[str, object] = {"policy": layout_summary(result.policy, work.world_size)}
+    if result.critic is not None:
+        layout["critic"] = layout_summary(result.critic, work.world_size)
+    layout.update(rollout_tp=work.rollout_tp, gpu_memory_utilization=work.gpu_memory_utilization,
+                  offload=work.offload, policy_recompute=recompute_label(work.policy_recompute),
+                  critic_recompute=recompute_label(work.critic_recompute))  # fmt: skip
+    out: dict[str, object] = {"fits": result.fits, "layout": layout, "peak_gib": None}
+    if result.phases:
+        out.update(
+            peak_gib=round(result.peak / GIB, 2),
+            headroom_gib=round(result.headroom / GIB, 2),
+            kv_sequences_per_replica=round(result.concurrent_sequences, 1),
+            # None when the KV cache cannot hold one sequence (the plan lists that problem).
+            rollout_seconds_estimated=(
+                round(result.rollout_seconds) if math.isfinite(result.rollout_seconds) else None
+            ),
+            host_gib_per_gpu=round(result.host_bytes / GIB, 2),
+            host_gib_per_node=round(result.host_bytes_per_node / GIB, 1),
+            pinned_gib_per_gpu={
+                name: {"gib": round(part.nbytes / GIB, 2), "label": part.label}
+                for name, part in result.pinned.items()
+            },
+        )
+    out["problems"] = result.problems
+    return out
+
+
+def format_plan(result: Plan, title: str) -> str:
+    """A readable table of one plan: layouts, per-GPU memory by kind and by phase, vLLM; each
+    figure labelled exact, measured (on CPU) or estimated."""
+    work, gib = result.workload, lambda b: f"{b / GIB:7.2f} GiB"
+    lines = [f"== {title}: {'fits' if result.fits else 'DOES NOT FIT'} =="]
+
+    def fmt(layout: ModelLayout) -> str:
+        ranks = layout.tp * layout.pp * layout.cp
+        dp = work.world_size // ranks if work.world_size % ranks == 0 else "-"
+        vpp = f" vpp{layout.vpp}" if layout.vpp else ""
+        sp = " sp" if layout.sequence_parallel else ""
+        return f"tp{layout.tp} pp{layout.pp}{vpp} cp{layout.cp} dp{dp}{sp}"
+
+    models = [("policy", result.policy, result.policy_memory, work.policy_recompute)]
+    if result.critic is not None:
+        models.append(("critic", result.critic, result.critic_memory, work.critic_recompute))
+    lines.append(f"{'':44}" + "".join(f"{m[0]:>24}" for m in models))
+    lines.append(f"{'layout':44}" + "".join(f"{fmt(m[1]):>24}" for m in models))
+    lines.append(f"{'recompute':44}" + "".join(f"{recompute_label(m[3]):>24}" for m in models))
+    if result.phases:
+        shards = "DP x CP" if work.distributed_optimizer else "not sharded"
+        grad = "fp32" if work.grad_reduce_in_fp32 or not work.bf16 else "bf16"
+        rows = [("params (bf16) [exact]" if work.bf16 else "params (fp32) [exact]", "params"),
+                (f"grads ({grad}) [exact]", "grads"), (f"Adam ({shards}) [exact]", "optimizer"),
+                ("activations [estimated; logits measured]", "activations")]  # fmt: skip
+        for label, attr in rows:
+            cells = "".join(f"{gib(getattr(m[2], attr)):>24}" for m in models)
+            lines.append(f"{label:44}{cells}")
+        replicas = work.world_size // work.rollout_tp
+        lines.append(
+            f"vLLM TP {work.rollout_tp} ({replicas} replicas), gpu_memory_utilization "
+            f"{work.gpu_memory_utilization:.2f}: weights {gib(result.vllm_weights).strip()} "
+            f"[exact], KV cache {gib(result.kv_cache).strip()} per GPU [estimated] = "
+            f"{result.concurrent_sequences:.1f} full {work.sequence_len}-token sequences per "
+            "replica"
+        )
+        seconds = result.rollout_seconds
+        duration = (
+            f"about {seconds / 60:.0f} min per step"
+            if math.isfinite(seconds)
+            else "never: the KV cache holds less than one sequence"
+        )
+        lines.append(
+            f"rollout of {work.samples_per_step} responses (mean "
+            f"{work.mean_response_fraction:.0%} of {work.response_len} tokens): {duration} "
+            f"[estimated, memory-bound decode at "
+            f"{DECODE_EFFICIENCY:.0%} of {result.gpu.hbm_bytes_per_s / 1e12:.2f} TB/s]"
+        )
+        lines.append(f"offload: {work.offload} ({OFFLOADS[work.offload]})")
+        lines.append(
+            f"pinned host memory {gib(result.host_bytes).strip()} per GPU, "
+            f"{gib(result.host_bytes_per_node).strip()} per {work.gpus_per_node}-GPU node:"
+        )
+        for name, part in result.pinned.items():
+            lines.append(f"  {name:22}{gib(part.nbytes)} [{part.label}] {part.what}")
+        parts = ", ".join(f"{name} {b / GIB:.2f}" for name, b in result.reserve.items())
+        lines.append(f"reserve {gib(sum(result.reserve.values())).strip()} per GPU "
+                     f"[estimated: {parts} GiB]")  # fmt: skip
+        lines.append(f"per-GPU peak by phase (of {gib(result.gpu.memory_bytes).strip()}):")
+        for name, need in result.phases.items():
+            free = result.gpu.memory_bytes - need
+            lines.append(f"  {name:22}{gib(need)}   headroom {gib(free)}")
+    lines += [f"  problem: {p}" for p in result.problems]
+    return "\n".join(lines)
