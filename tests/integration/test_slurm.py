@@ -23,8 +23,8 @@ import torch
 from tests.integration.trainer_runs import make_assets, read_metrics
 from tests.launcher import REPO_ROOT
 from vapo_megatron.checkpoint import model as mckpt
-from vapo_megatron.models import hf_io
 from vapo_megatron.parallel.local_launch import free_port
+from vapo_megatron.weights import hf_io
 
 pytestmark = pytest.mark.integration
 SLURM = REPO_ROOT / "slurm"

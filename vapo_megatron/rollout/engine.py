@@ -563,7 +563,7 @@ def unsaved_module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     allocates such tensors in its weights pool while building the model, so level 2 discards
     them and nothing else brings them back; rotary caches kept outside ``register_buffer`` were
     the known case (vLLM #16564, NeMo-RL #2631). vLLM 0.32's Qwen2 holds none on the device
-    (``tests/integration/test_offload_vllm_tensors.py`` lists what its model holds)."""
+    (``tests/integration/rollout/test_offload_vllm_tensors.py`` lists what its model holds)."""
     out: dict[str, torch.Tensor] = {}
     device = next(model.parameters()).device
     for module_name, module in model.named_modules():

@@ -43,7 +43,7 @@ class TrainingOffload:
     ``shutdown``). It grows only when the state does (Adam's moments appear at the first
     update). On CPU the same code runs with an unpinned arena: the CPU twin.
 
-    The order, driven by ``RolloutEngine`` (tests/unit/test_offload_training.py)::
+    The order, driven by ``RolloutEngine`` (tests/unit/trainer/test_offload.py)::
 
         offload_for_weights   gradients dropped; everything else except the policy's
                               parameters copied (the sync reads them)
