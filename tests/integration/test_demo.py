@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -145,9 +146,38 @@ def test_ablate_two_presets_one_seed(assets, tmp_path):
     assert json.loads((out_dir / "table.json").read_text()) == results
 
 
+EXACT_MODEL_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+)  # fmt: skip
+PASS_RATE_Z = 3.0
+"""How many standard errors a rebuilt model's pass rate may lie from the recorded one."""
+
+
+def binomial_z(rebuilt: float, recorded: float, prompts: int) -> float:
+    """|rebuilt - recorded| in standard errors of the difference of two pass rates over
+    ``prompts`` prompts each: sqrt(2 p (1 - p) / prompts), p their mean. Both rates come from
+    the same prompts, whose shared difficulty makes the true spread smaller: the bound is
+    conservative."""
+    if rebuilt == recorded:
+        return 0.0
+    p = (rebuilt + recorded) / 2
+    return abs(rebuilt - recorded) / math.sqrt(2 * p * (1 - p) / prompts)
+
+
 @pytest.mark.slow  # ~12 CPU minutes: the 8000-step warm-up on one thread
+@pytest.mark.timeout(3700)  # past run_tool's 3600 s (pytest.ini's 600 s is shorter than the build)
 def test_shipped_model_regenerates(tmp_path):
-    """tools/make_tiny.py with the shipped model's recorded values writes the same bytes."""
+    """tools/make_tiny.py with the shipped model's recorded values writes the same task and
+    tokenizer bytes and a model that behaves as the shipped one.
+
+    The model's bytes are the same only on the CPU that made it: float sums are reduced in a
+    different order on another CPU, and 8000 warm-up steps carry the rounding differences into
+    every weight (seen: another CPU's rebuild passed 0.04 greedy and 0.19 at T=1 against the
+    stamp's 0.045 and 0.18). Its behaviour is held instead: each pass rate over the stamp's 200
+    eval prompts within PASS_RATE_Z = 3 standard errors of the recorded one; the standard error
+    of the difference, sqrt(2 p (1 - p) / 200), is 0.021 at greedy's p = 0.045 and 0.038 at
+    T=1's p = 0.18, so greedy may read 0.0 to 0.11 and T=1 0.07 to 0.30; a model that never
+    answers (0 at T=1) is 6 standard errors off."""
     shipped = REPO_ROOT / "vapo_megatron" / "data" / "tiny_demo"
     stamp = json.loads((shipped / "stamp.json").read_text())
     values = stamp["params"]
@@ -159,8 +189,25 @@ def test_shipped_model_regenerates(tmp_path):
         "--template", values["template"], timeout=3600,
     )  # fmt: skip
     result = json.loads(out.strip().splitlines()[-1])
+    # Exact: the task, the tokenizer and the model's configuration involve no float arithmetic.
     assert result["train_sha256"] == stamp["result"]["train_sha256"]
-    assert result["model_sha256"] == stamp["result"]["model_sha256"]
+    for name in EXACT_MODEL_FILES:
+        rebuilt = (tmp_path / "tiny" / "model" / name).read_bytes()
+        assert rebuilt == (shipped / "model" / name).read_bytes(), name
+    from safetensors import safe_open
+
+    with safe_open(shipped / "model" / "model.safetensors", "pt") as old, safe_open(
+        tmp_path / "tiny" / "model" / "model.safetensors", "pt"
+    ) as new:  # fmt: skip
+        assert sorted(new.keys()) == sorted(old.keys())
+        for key in old.keys():
+            a, b = old.get_slice(key), new.get_slice(key)
+            assert (a.get_shape(), a.get_dtype()) == (b.get_shape(), b.get_dtype()), key
+    # The weights: by behaviour.
+    prompts = values["eval_prompts"]
+    for rate in ("pass_rate_greedy", "pass_rate_t1"):
+        z = binomial_z(result[rate], stamp["result"][rate], prompts)
+        assert z <= PASS_RATE_Z, (rate, result[rate], stamp["result"][rate], z)
 
 
 @pytest.mark.slow
