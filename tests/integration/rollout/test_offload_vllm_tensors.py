@@ -1,6 +1,6 @@
 """What vLLM's level-2 sleep would lose and nothing restores, on the real vLLM model (CPU
 build): the module tensors that are neither parameters, registered buffers nor the KV cache
-(``rollout/engine.py`` ``unsaved_module_tensors``), and their save/restore through the
+(``rollout/module_tensors.py`` ``unsaved_module_tensors``), and their save/restore through the
 engine's worker RPCs."""
 
 import pytest
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 
 def _inventory(worker):
-    from vapo_megatron.rollout.engine import unsaved_module_tensors
+    from vapo_megatron.rollout.module_tensors import unsaved_module_tensors
 
     model = worker.model_runner.model
     attention_kv = [
@@ -28,9 +28,8 @@ def _inventory(worker):
 
 
 def test_qwen2_keeps_nothing_vllm_does_not_restore_but_host_scales(tmp_path):
-    from vapo_megatron.rollout.engine import (
-        RolloutConfig,
-        RolloutEngine,
+    from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
+    from vapo_megatron.rollout.module_tensors import (
         restore_unsaved_module_tensors,
         save_unsaved_module_tensors,
     )

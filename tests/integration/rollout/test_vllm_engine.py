@@ -12,10 +12,9 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vllm is not installed (see docs/rollout.md)")
 transformers = pytest.importorskip("transformers")
 
-from vapo_megatron.rollout.engine import (  # noqa: E402
+from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine  # noqa: E402
+from vapo_megatron.rollout.vllm_args import (  # noqa: E402
     VLLM_VERSION,
-    RolloutConfig,
-    RolloutEngine,
     check_vllm_version,
     cpu_thread_binding,
 )

@@ -181,7 +181,7 @@ def test_level_2_restores_module_tensors_vllm_does_not_save():
     """A tensor held as a plain module attribute (not a parameter, not a registered buffer)
     is saved before a level-2 sleep and copied back after the weights wake."""
     pytest.importorskip("vllm")
-    from vapo_megatron.rollout.engine import (
+    from vapo_megatron.rollout.module_tensors import (
         restore_unsaved_module_tensors,
         save_unsaved_module_tensors,
         unsaved_module_tensors,
