@@ -28,7 +28,6 @@ from vapo_megatron.config.train import TrainConfig  # noqa: E402
 from vapo_megatron.data.prompts import load_prompts  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
 from vapo_megatron.rewards.registry import resolve_routing  # noqa: E402
-from vapo_megatron.trainer.session import import_plugins, read_prompts  # noqa: E402
 from vapo_megatron.weights import hf_io  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -130,6 +129,10 @@ class Checker:
                     f"{report.num_skipped} skipped, {report.num_kept} prompts (not tokenized)"
                 )
             else:  # as the trainer reads it: rows, graders by data_source, template, length
+                # The trainer's session imports megatron; only this check, with a tokenizer,
+                # pays for it (the recipe and the checkpoints' metadata are read without).
+                from vapo_megatron.trainer.session import import_plugins, read_prompts
+
                 import_plugins(self.config.reward.plugins)
                 routing = resolve_routing(self.config.reward.routing)
                 prompts = read_prompts(self.config, path, self.tokenizer, routing)

@@ -85,7 +85,7 @@ def read_model(spec: str | None, recipe_model_path: str | None) -> tuple[str, HF
 
 def check_recipe(config, hf: HFModelConfig, world_size: int) -> None:
     """The trainer's own refusals, in the order the trainer meets them."""
-    from vapo_megatron.models.provider import check_layout_pair
+    from vapo_megatron.config.layout import check_layout_pair
 
     config.check(world_size)
     check_layout_pair(config.policy.layout, config.critic.layout, world_size)

@@ -34,7 +34,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from megatron.core.utils import unwrap_model
 
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.parallel import collectives
@@ -200,6 +199,8 @@ def save_model_weights(
     entry script's work under ``if __name__ == "__main__":`` (the writer forks processes).
     ``dp_cp_group``: the model's data x context group when it has its own process groups
     (otherwise megatron reads ``parallel_state``'s for the replica ids)."""
+    from megatron.core.utils import unwrap_model
+
     state = {
         f"model{i}": _sharded_state_dict(unwrap_model(chunk), dp_cp_group)
         for i, chunk in enumerate(chunks)
@@ -243,6 +244,8 @@ def load_model_weights(
     metadata; megatron's local modules save None), which are tolerated either way (see
     :func:`_load_tolerating_extra_state`).
     """
+    from megatron.core.utils import unwrap_model
+
     meta = load_metadata(ckpt_dir)
     check_compatible(meta, hf, head, ckpt_dir)
     models = [unwrap_model(chunk) for chunk in chunks]

@@ -33,29 +33,8 @@ from vapo_megatron.models.norm import RMSNorm
 from vapo_megatron.models.record import LayerSpecKind
 from vapo_megatron.models.value_head import ValueHead
 from vapo_megatron.parallel.devices import init_device
-from vapo_megatron.parallel.model_groups import layout_sizes
 
 logger = logging.getLogger(__name__)
-
-
-def check_layout_pair(policy: ModelLayout, critic: ModelLayout, world_size: int) -> None:
-    """ValueError unless both layouts fit ``world_size`` ranks (each model spans all of them).
-
-    Each model runs on its own process groups (``parallel.model_groups``), so in
-    megatron-core 0.16.1 every pair of layouts whose tp * pp * cp divides the world is
-    supported: any TP, PP (with or without vpp), CP, sequence parallelism and DP for the
-    policy, independently of the critic's. None is refused for the pairing itself: the
-    process-global state both models share (the RNG tracker, the scratch buffer) is listed,
-    with why it is harmless, in ``parallel/model_groups.py``. Tested in one 4-rank job
-    (``tests/distributed/test_mixed_layouts.py``): policy TP2 + SP / critic TP1 x DP4
-    (distributed optimizer); policy DP4 / critic PP2 x DP2; policy TP2 x PP2 (vpp 2) / critic
-    CP2 x DP2.
-    """
-    for name, layout in (("policy", policy), ("critic", critic)):
-        try:
-            layout_sizes(tp=layout.tp, pp=layout.pp, cp=layout.cp, world_size=world_size)
-        except ValueError as err:
-            raise ValueError(f"{name} layout: {err}") from None
 
 
 INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_method")

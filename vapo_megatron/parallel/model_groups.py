@@ -44,6 +44,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from vapo_megatron.config.layout import layout_sizes
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.parallel.groups import ParallelGroups
 
@@ -214,20 +215,6 @@ def _pg_collection(make: _GroupMaker) -> ProcessGroupCollection:
         expt_dp=dp_cp,
         intra_expt_dp=dp_cp,
     )
-
-
-def layout_sizes(*, tp: int, pp: int, cp: int, world_size: int) -> dict[str, int]:
-    """{"tp", "cp", "dp", "pp"} sizes of a layout on ``world_size`` ranks (DP takes the rest);
-    ValueError naming the sizes when they do not fit."""
-    if min(tp, pp, cp) < 1:
-        raise ValueError(f"tp, pp, cp must be >= 1, got tp={tp}, pp={pp}, cp={cp}")
-    if world_size % (tp * pp * cp):
-        raise ValueError(
-            f"tp * pp * cp = {tp} * {pp} * {cp} = {tp * pp * cp} does not divide the "
-            f"{world_size} ranks; pick sizes whose product divides {world_size} (data "
-            f"parallelism takes the rest)"
-        )
-    return {"tp": tp, "cp": cp, "dp": world_size // (tp * pp * cp), "pp": pp}
 
 
 def _coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:

@@ -268,7 +268,8 @@ def _nbytes(shards: Sequence) -> int:
 def _dp_cp_peers(config: TrainConfig, role: str, rank: int, world_size: int) -> list[int]:
     """The ranks of ``rank``'s DP x CP group of ``role`` (``model_groups.rank_groups``, the
     order ``build_model_groups`` makes them in), without building anything."""
-    from vapo_megatron.parallel.model_groups import layout_sizes, rank_groups
+    from vapo_megatron.config.layout import layout_sizes
+    from vapo_megatron.parallel.model_groups import rank_groups
 
     layout = (config.policy if role == "policy" else config.critic).layout
     sizes = layout_sizes(tp=layout.tp, pp=layout.pp, cp=layout.cp, world_size=world_size)

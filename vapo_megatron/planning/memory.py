@@ -204,7 +204,7 @@ class Plan:
 
 def layout_problems(hf: HFModelConfig, layout: ModelLayout, world_size: int) -> list[str]:
     """Why ``layout`` cannot run ``hf`` on ``world_size`` ranks (the trainer's own checks)."""
-    from vapo_megatron.parallel.model_groups import layout_sizes
+    from vapo_megatron.config.layout import layout_sizes
 
     problems = []
     for check in (lambda: layout.check(hf), lambda: layout_sizes(

@@ -20,10 +20,10 @@ from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer import transformer_block
 
 from tests.unit import test_te_names as te
-from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.layout import ModelLayout, layout_sizes
 from vapo_megatron.models import provider
 from vapo_megatron.models.config import HFModelConfig
-from vapo_megatron.parallel.model_groups import build_model_groups, layout_sizes, rank_groups
+from vapo_megatron.parallel.model_groups import build_model_groups, rank_groups
 from vapo_megatron.planning.dry_run import on_meta, stand_in_for
 
 

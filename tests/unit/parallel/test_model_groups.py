@@ -4,10 +4,9 @@ before any process group is touched; schedule settings are checked."""
 import pytest
 from megatron.core.parallel_state import RankGenerator
 
-from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.layout import ModelLayout, check_layout_pair, layout_sizes
 from vapo_megatron.config.optim import OptimSettings
-from vapo_megatron.models.provider import check_layout_pair
-from vapo_megatron.parallel.model_groups import build_model_groups, layout_sizes, rank_groups
+from vapo_megatron.parallel.model_groups import build_model_groups, rank_groups
 
 pytestmark = pytest.mark.unit
 KINDS = [("tp",), ("cp",), ("dp",), ("pp",), ("cp", "dp"), ("tp", "cp"), ("tp", "pp"),

@@ -10,9 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.layout import ModelLayout, layout_sizes
 from vapo_megatron.config.recipe import load_recipe
-from vapo_megatron.parallel.model_groups import layout_sizes
 from vapo_megatron.step.scoring import choose_path
 from vapo_megatron.step.shard_route import step_share
 
