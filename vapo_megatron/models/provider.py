@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -30,9 +31,11 @@ from vapo_megatron.config.gpu import ResolvedGpuSettings
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.models.norm import RMSNorm
-from vapo_megatron.models.record import LayerSpecKind
 from vapo_megatron.models.value_head import ValueHead
 from vapo_megatron.parallel.devices import init_device
+
+if TYPE_CHECKING:  # the name table's spec kinds; models import nothing of weights/
+    from vapo_megatron.weights.record import LayerSpecKind
 
 logger = logging.getLogger(__name__)
 
