@@ -21,7 +21,7 @@ from vapo_megatron.parallel.devices import HOST
 
 FLAT_INDEX = "flat_index"
 LOCAL_INDEX = "local_index"
-"""Position of a response token in this rank's own buffers (``trainer/shard_path.py``)."""
+"""Position of a response token in this rank's own buffers (``step/shard_route.py``)."""
 
 
 class Ragged:
