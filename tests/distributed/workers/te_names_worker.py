@@ -2,7 +2,7 @@
 
 Usage: python te_names_worker.py OUT_JSON. One process standing in, under torch's fake
 backend (``planning.dry_run.stand_in_for``), for one rank of every pipeline stage of each case
-of ``tests/unit/test_te_names.py`` at TP 2, PP 1 and 2. TE cannot be installed here, so
+of ``tests/unit/weights/test_te_names.py`` at TP 2, PP 1 and 2. TE cannot be installed here, so
 megatron's ``get_gpt_layer_with_transformer_engine_spec`` gets stand-ins of TE's modules that
 register what TE 2.11's do (``FakeTESpecProvider``); which modules exist, and where, is
 megatron's own code and the project's ``build_model`` (the output layer, the value head, the
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer import transformer_block
 
-from tests.unit import test_te_names as te
+from tests.unit.weights import test_te_names as te
 from vapo_megatron.config.layout import ModelLayout, layout_sizes
 from vapo_megatron.models import provider
 from vapo_megatron.models.config import HFModelConfig
