@@ -1,10 +1,10 @@
 """GPU check: the trainer's own code paths on one device, part by part, in about a minute.
 
 Written for the first GPU this project meets (one H200, no vLLM, no Transformer Engine) and run
-on CPU by the test suite (``--cpu``, gloo; ``tests/integration/test_gpu_check.py``). Nothing is
-downloaded: a tiny Qwen2 (hidden 64, 2 layers, 4 heads of 16, vocabulary 256) is written with
-random weights into a temporary HF directory, and the data are random token ids. The parts live
-in ``tools/gpu_checks/``.
+on CPU by the test suite (``--cpu``, gloo; ``tests/integration/tools/test_gpu_check.py``).
+Nothing is downloaded: a tiny Qwen2 (hidden 64, 2 layers, 4 heads of 16, vocabulary 256) is
+written with random weights into a temporary HF directory, and the data are random token ids.
+The parts live in ``tools/gpu_checks/``.
 
 Parts (each timed; a failure is printed and the next part still runs):
 
@@ -38,7 +38,7 @@ Parts (each timed; a failure is printed and the next part still runs):
   optimizer, ``overlap_grad_reduce`` and ``overlap_param_gather`` on (``no_sync_func`` set),
   full recompute (block, 1 of 2 layers), from the same weights as ``engines``.
 - ``shard_steps``: 3 steps of the 32B recipe's data path at CP 1: ``choose_path`` (shards),
-  ``step_share``, ``run_shard_path`` for policy and critic, ``update_minibatch`` (critic then
+  ``step_share``, ``ShardRoute.score`` for policy and critic, ``update_minibatch`` (critic then
   policy on micro-batches packed once), ``gather_params``. The first step's scoring equals
   ``scoring``'s and its losses and grad norms equal the plain updates'; the recomputed layer
   runs twice per micro-batch in an update, the other once; every step moves both models, and
