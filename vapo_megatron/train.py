@@ -4,7 +4,7 @@ Under torchrun/srun every process is one rank. Started plainly, it starts
 ``trainer.local_world_size`` local gloo ranks of itself (rank 0 on this console, the others'
 consoles in RUN_DIR/logs/); every rank logs everything, libraries' notes included, to
 RUN_DIR/logs/rank{r}.log (``run_log``). The steps, top-down, are in ``trainer/loop.py`` and
-``trainer/step.py``: resume; critic pretraining; then per step weight sync, rollout, reward,
+``step/run.py``: resume; critic pretraining; then per step weight sync, rollout, reward,
 scoring pass, advantages, critic and policy updates, metrics, checkpoint; export.
 Exit status: 0 done (or preempted with a checkpoint), 1 failed, 2 bad recipe or input.
 """

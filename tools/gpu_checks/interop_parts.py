@@ -9,10 +9,10 @@ from gpu_checks.context import Context
 from gpu_checks.frame import Skipped, check
 from gpu_checks.tiny import LOGIT_TOLERANCE, TOKEN_BUDGET
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.rollout.weight_stream import stream_plan, stream_policy_weights
-from vapo_megatron.trainer.batching import FLAT_INDEX, build_samples, micro_batches
-from vapo_megatron.trainer.loss_fns import logprob_scoring_fn
-from vapo_megatron.trainer.scoring import score_flat
+from vapo_megatron.step.batching import FLAT_INDEX, build_samples, micro_batches
+from vapo_megatron.step.flat_route import score_flat
+from vapo_megatron.step.losses import logprob_scoring_fn
+from vapo_megatron.weights.stream import stream_plan, stream_policy_weights
 
 
 def weight_stream(ctx: Context, numbers: dict) -> None:

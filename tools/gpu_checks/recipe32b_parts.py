@@ -4,8 +4,9 @@
 the distributed optimizer, ``overlap_grad_reduce`` and ``overlap_param_gather``, and full
 recompute (block method). Here the tiny model is built that way (CP 1, world 1) from the
 same weights as the plain engines, and takes several steps through the step's own public
-functions: ``choose_path``, ``step_share``, ``run_shard_path`` (both models' scoring and
-GAE on this rank's samples), ``update_minibatch`` (critic then policy on micro-batches
+functions: ``choose_path``, ``step_share``, ``ShardRoute.score`` and
+``advantages_and_metrics`` (both models' scoring and GAE on this rank's samples),
+``update_minibatch`` (critic then policy on micro-batches
 packed once), and ``gather_params`` as the weight sync calls it.
 
 Held: the first step's scoring equals the plain engines' (``scoring``) and its updates'
@@ -24,9 +25,6 @@ from contextlib import contextmanager
 
 import torch
 from megatron.core.utils import unwrap_model
-from vapo_megatron.trainer.loss_fns import logprob_scoring_fn, value_scoring_fn
-from vapo_megatron.trainer.shard_path import ShardInputs, choose_path, run_shard_path, step_share
-from vapo_megatron.trainer.step import UpdateData, minibatch_indices, update_minibatch
 
 from gpu_checks.compare import max_change, param_snapshot
 from gpu_checks.context import Context
@@ -35,8 +33,13 @@ from gpu_checks.tiny import LOGIT_TOLERANCE, OPTIM, SEED, TOKEN_BUDGET
 from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.parallel.devices import HOST
+from vapo_megatron.step.advantages import advantages_and_metrics
+from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
+from vapo_megatron.step.scoring import StepInputs, StepModels, choose_path
+from vapo_megatron.step.shard_route import ShardRoute, step_share
+from vapo_megatron.step.updates import UpdateData, minibatch_indices, update_minibatch
 from vapo_megatron.trainer.model_engine import ModelEngine
-from vapo_megatron.trainer.session import critic_from_policy
+from vapo_megatron.weights.critic import critic_from_policy
 
 STEPS = 3
 """Steps in a row: Adam's state exists from the first; the overlaps' hooks see each step's
@@ -114,17 +117,22 @@ def shard_step(ctx: Context, *, count_layer_calls: bool = False) -> dict:
     rewards = torch.tensor(step.rewards, dtype=torch.float32, device=HOST)
     # The plain engines' first scoring stands in for the rollout's log-probs: the gap metric
     # is then how far this step's policy has moved from the initial weights.
-    fields, path_metrics = run_shard_path(
-        ctx.algo, share, ShardInputs(prompts, responses, rewards, ctx.old_logprobs),
-        policy=policy, critic=critic,
-        logprob_fn=logprob_scoring_fn(policy.vocab_slice, temperature=1.0),
-        value_fn=value_scoring_fn(), monte_carlo=False, whiten=True, token_budget=TOKEN_BUDGET,
-        host_group=ctx.host,
+    route = ShardRoute(share, ctx.host)
+    models = StepModels(
+        policy, critic, logprob_fn=logprob_scoring_fn(policy.vocab_slice, temperature=1.0),
+        value_fn=value_scoring_fn(),
     )  # fmt: skip
+    inputs = StepInputs(prompts, responses, rewards, ctx.old_logprobs)
+    scored = route.score(
+        models, inputs, algo=ctx.algo, monte_carlo=False, token_budget=TOKEN_BUDGET
+    )
+    fields, path_metrics = advantages_and_metrics(
+        ctx.algo, scored, inputs, monte_carlo=False, whiten_advantages=True
+    )
     data = UpdateData(
         prompts=prompts, responses=responses, fields=fields,
         positive=[reward > 0 for reward in step.rewards],
-        trainable_policy=[True] * len(token_counts), token_counts=token_counts, share=share,
+        trainable_policy=[True] * len(token_counts), route=route,
     )  # fmt: skip
     before = {"policy": param_snapshot(policy), "critic": param_snapshot(critic)}
     with count_calls(policy if count_layer_calls else None) as calls:

@@ -13,7 +13,6 @@ from gpu_checks.compare import max_change, param_snapshot
 from gpu_checks.context import Context
 from gpu_checks.frame import check
 from gpu_checks.tiny import SEED, TOKEN_BUDGET, random_hf_tensors, write_hf_dir
-from vapo_megatron.models import hf_io
 from vapo_megatron.models.provider import default_layer_spec, layer_spec_kind, local_spec
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
@@ -22,12 +21,15 @@ from vapo_megatron.parallel.model_groups import (
     ensure_global_memory_buffer,
     seed_rng_tracker,
 )
-from vapo_megatron.trainer import advantage_phase as adv
-from vapo_megatron.trainer.loss_fns import logprob_scoring_fn, value_scoring_fn
-from vapo_megatron.trainer.scoring import score_flat
-from vapo_megatron.trainer.session import critic_from_policy, init_distributed
-from vapo_megatron.trainer.shard_path import TokenFields
-from vapo_megatron.trainer.step import UpdateData, update_minibatch
+from vapo_megatron.step import advantages as adv
+from vapo_megatron.step.flat_route import FlatRoute, score_flat
+from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
+from vapo_megatron.step.scoring import TokenFields
+from vapo_megatron.step.token_sums import TokenSums
+from vapo_megatron.step.updates import UpdateData, update_minibatch
+from vapo_megatron.trainer.session import init_distributed
+from vapo_megatron.weights import hf_io
+from vapo_megatron.weights.critic import critic_from_policy
 
 
 def distributed(ctx: Context, numbers: dict) -> None:
@@ -126,7 +128,7 @@ def flat_update_data(ctx: Context, numbers: dict) -> UpdateData:
     advantages, returns, _ = adv.gae_advantages(ctx.algo, rewards, values, offsets)
     arrays = {
         "old_logprobs": old_logprobs, "old_values": values,
-        "advantages": adv.whiten(advantages), "returns": returns,
+        "advantages": adv.whiten(advantages, TokenSums(None, None)), "returns": returns,
     }  # fmt: skip
     prompts, responses = step.ragged()
     return UpdateData(
@@ -134,7 +136,7 @@ def flat_update_data(ctx: Context, numbers: dict) -> UpdateData:
         fields=TokenFields(offsets[:-1].tolist(), arrays),
         positive=[reward > 0 for reward in step.rewards],
         trainable_policy=[True] * len(step.rewards),
-        token_counts=step.token_counts(), share=None,
+        route=FlatRoute(step.token_counts(), offsets),
     )  # fmt: skip
 
 

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from vapo_megatron.models.record import ModelChunk, ModelRecord
-from vapo_megatron.trainer.batching import Ragged, response_offsets
 
 from vapo_megatron.config.optim import OptimSettings
-from vapo_megatron.models import hf_io
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.devices import HOST
+from vapo_megatron.step.batching import Ragged, response_offsets
+from vapo_megatron.weights import hf_io
+from vapo_megatron.weights.record import ModelChunk, ModelRecord
 
 SEED = 1234
 HF_CONFIG = {
@@ -69,7 +69,7 @@ class StepData:
         return sum(len(r) for r in self.responses)
 
     def ragged(self) -> tuple[Ragged, Ragged]:
-        """(prompts, responses) as int32 flat buffers, as ``rollout_phase.Trajectories``."""
+        """(prompts, responses) as int32 flat buffers, as ``step/trajectories.Trajectories``."""
         return _ragged(self.prompts), _ragged(self.responses)
 
     def token_counts(self) -> list[int]:
