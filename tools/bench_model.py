@@ -71,8 +71,6 @@ def _flops_per_token(cfg: dict, seq_len: float) -> float:
 
 
 def worker(gpu: bool) -> None:
-    from vapo_megatron.trainer.loss_fns import policy_loss_fn
-
     from vapo_megatron.algorithms.presets import algo_preset
     from vapo_megatron.config.layout import ModelLayout
     from vapo_megatron.config.optim import OptimSettings
@@ -80,6 +78,7 @@ def worker(gpu: bool) -> None:
     from vapo_megatron.models.config import HFModelConfig
     from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
     from vapo_megatron.parallel.reductions import global_loss_normalisers
+    from vapo_megatron.step.losses import policy_loss_fn
     from vapo_megatron.trainer.model_engine import ModelEngine
 
     tp = int(os.environ["WORLD_SIZE"])

@@ -156,14 +156,13 @@ def test_init_distributed_passes_the_timeout(monkeypatch):
 def test_engine_refuses_a_long_row_on_a_gpu_without_te(monkeypatch):
     """The local spec's dense attention on a GPU: ``ModelEngine.run`` checks each call's rows
     before anything reaches the model (CUDA reported present only after the engine is built)."""
-    from vapo_megatron.trainer.loss_fns import value_scoring_fn
-
     from vapo_megatron.config.layout import ModelLayout
     from vapo_megatron.config.optim import OptimSettings
     from vapo_megatron.models.config import HFModelConfig
     from vapo_megatron.models.provider import LOCAL_ATTENTION_MAX_TOKENS
     from vapo_megatron.parallel.cpu_shim import apply_cpu_shim
     from vapo_megatron.parallel.model_groups import build_model_groups, ensure_global_memory_buffer
+    from vapo_megatron.step.losses import value_scoring_fn
     from vapo_megatron.trainer.model_engine import ModelEngine
 
     apply_cpu_shim()

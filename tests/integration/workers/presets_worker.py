@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import torch
-from vapo_megatron.trainer.export import export_hf
-from vapo_megatron.trainer.step import run_step
 
 from vapo_megatron.algorithms.presets import PRESETS, algo_preset
 from vapo_megatron.config.recipe import load_recipe
-from vapo_megatron.models import hf_io
+from vapo_megatron.step.run import run_step
 from vapo_megatron.trainer.session import Session
+from vapo_megatron.weights import hf_io
+from vapo_megatron.weights.export import export_hf
 
 
 def main(recipe: str, overrides: list[str]) -> None:
