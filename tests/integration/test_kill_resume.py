@@ -40,6 +40,7 @@ def kill_and_compare(out, assets, *args: str, overrides=(), timeout: float) -> d
     return summary
 
 
+@pytest.mark.timeout(960)  # past the tool's 900 s: five starts of the tiny run
 def test_kills_at_the_pretraining_windows(tmp_path, assets):
     summary = kill_and_compare(
         tmp_path, assets, "--kills", "published:2,exported", "--steps", "1",
@@ -54,6 +55,7 @@ def test_kills_at_the_pretraining_windows(tmp_path, assets):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3100)  # past the tool's 3000 s (pytest.ini's 600 s is shorter)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_random_kills(tmp_path, assets, mode):
     kills = "startup,writing,published:3,exported,random,random,random,random,random"
