@@ -7,7 +7,7 @@ sees only micro-batches moved by ``MicroBatch.to``; every process group, vLLM's 
 On this CPU machine every tensor is already where it must be and every group is gloo, so
 these records are what stands in for a GPU run; what they cannot see (a collective whose
 tensor is on the host although it went through the helper) the helper itself refuses at run
-time on NCCL (``tests/unit/test_collectives.py``)."""
+time on NCCL (``tests/unit/parallel/test_collectives.py``)."""
 
 from __future__ import annotations
 

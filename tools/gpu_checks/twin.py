@@ -18,7 +18,7 @@ training device for a group read as NCCL, as on a GPU, and that device is the ho
 tensors, and checkpoint loading keeps megatron's plain load strategy (its fully parallel
 wrapper, chosen where a group's device is CUDA, stages on CUDA). The one mistake the twin
 cannot show is a host tensor sent where the training device is wanted: on one CPU they are
-the same device. ``tests/unit/test_collectives.py`` (groups reported NCCL with a CUDA current
+the same device. ``tests/unit/parallel/test_collectives.py`` (groups reported NCCL with a CUDA current
 device) and ``tests/distributed/test_placement.py`` (a recorded training step) hold that.
 """
 

@@ -9,7 +9,7 @@ scalars saved in the forward pass.
 Memory: the fp32 work is done ``chunk_tokens`` positions at a time, and backward saves only
 the input logits (their own dtype) and four scalars per position, recomputing each chunk's
 softmax. The peak above the logits is then the gradient (the logits' size and dtype) plus one
-chunk's temporaries, instead of about 24 bytes per logit element (tests/unit/test_logprobs.py,
+chunk's temporaries, instead of about 24 bytes per logit element (tests/unit/models/test_logprobs.py,
 ``test_chunked_peak_memory``, measures both).
 
 Alignment: ``labels[..., i]`` is the token whose log-prob is read from ``logits[..., i, :]``,

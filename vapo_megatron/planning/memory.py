@@ -13,7 +13,7 @@ The model behind ``tools/plan.py``. Every figure is labelled in its output as on
   to a multiple of lcm(DP x CP, 128) elements and shards along bucket boundaries (zero
   difference at the recipes' DP x CP = 16; +1.5 KB of grads and a few KB of optimizer per rank
   at DP x CP = 12). Checkpoint bytes per rank: :func:`checkpoint_bytes`.
-- **measured** (on CPU, ``tests/unit/test_logprobs_chunked.py``): the log-prob / entropy
+- **measured** (on CPU, ``tests/unit/models/test_logprobs_chunked.py``): the log-prob / entropy
   work on the policy's logits. ``models/logprobs.py`` keeps the bf16 logits for backward and
   writes a bf16 gradient of the same size (4 B per logit element over a micro-batch's tokens x
   the local vocabulary) plus the fp32 temporaries of one chunk (16 B x
@@ -99,7 +99,7 @@ DECODE_EFFICIENCY = 0.5
 """Share of the HBM bandwidth a decode step reaches (an estimate)."""
 LOGIT_BYTES = 4
 """Bytes per logit element of the policy's log-probs: bf16 logits kept + bf16 gradient
-(measured on CPU, tests/unit/test_logprobs_chunked.py)."""
+(measured on CPU, tests/unit/models/test_logprobs_chunked.py)."""
 LOGIT_CHUNK_BYTES = 16
 """fp32 temporaries per element of one log-prob chunk (measured on CPU, same test)."""
 SYNC_BUCKET = 256 << 20
