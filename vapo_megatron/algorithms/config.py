@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from vapo_megatron.algorithms.losses import AGGREGATIONS, Aggregation
+from vapo_megatron.algorithms.rollout_correction import RolloutCorrectionConfig
+
+ROUTING_REPLAYS: tuple[str, ...] = ("none", "rollout")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +55,10 @@ class AlgoConfig:
     """DAPO soft overlong punishment: the last this-many tokens before the max length are penalised; None: off."""
     critic_init: Literal["policy", "reward_model"] = "reward_model"
     """Where the critic's weights start: a reward model (the paper) or the policy checkpoint."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance correction of the policy loss for vLLM's sampling policy (TIS, MIS/IcePop); off by default."""
+    routing_replay: Literal["none", "rollout"] = "none"
+    """MoE models: 'rollout' replays the engine's routed experts in the policy's scoring and update passes (R3)."""
 
     def __post_init__(self) -> None:
         if self.advantage_estimator not in ("gae", "group"):
@@ -82,6 +89,10 @@ class AlgoConfig:
         if self.prompts_per_step < 1 or self.samples_per_prompt < 1:
             raise ValueError(
                 f"prompts_per_step and samples_per_prompt must be >= 1, got {self.prompts_per_step}, {self.samples_per_prompt}"
+            )
+        if self.routing_replay not in ROUTING_REPLAYS:
+            raise ValueError(
+                f"routing_replay must be one of {ROUTING_REPLAYS}, got {self.routing_replay!r}"
             )
         if self.critic_init not in ("policy", "reward_model"):
             raise ValueError(

@@ -2,7 +2,8 @@
 
 Micro-batch fields used (label-aligned, see ``data/packing.py``): ``old_logprobs``,
 ``advantages``, ``returns``, ``old_values``, ``positive`` (token of a correct response) and
-``seq_num_tokens`` (the token's response length, for sample-level aggregation).
+``seq_num_tokens`` (the token's response length, for sample-level aggregation); with the
+rollout correction on, ``rollout_weight`` and ``rollout_keep`` (``step/updates.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from vapo_megatron.algorithms.losses import (
     positive_nll_loss,
     value_loss,
 )
+from vapo_megatron.algorithms.rollout_correction import correction_metrics
 from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.models.logprobs import VocabSlice
 from vapo_megatron.parallel.reductions import LossNormalisers
@@ -29,11 +31,15 @@ def policy_loss_fn(
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
         logp, entropy = vocab.logprobs(logits, mb.labels, temperature)
         mask = mb.response_mask
+        # Rollout correction (algorithms/rollout_correction.py): the PPO term's per-token
+        # weight rides in its mask, so every aggregation weighs the token's loss by it and
+        # the PPO metrics become importance-weighted means (masked tokens count in none).
+        weight = mb.fields.get("rollout_weight")
         loss, metrics = policy_loss(
             logp,
             mb.fields["old_logprobs"],
             mb.fields["advantages"],
-            mask,
+            mask if weight is None else mask * weight,
             eps_low=cfg.eps_low,
             eps_high=cfg.eps_high,
             dual_clip=cfg.dual_clip,
@@ -43,6 +49,10 @@ def policy_loss_fn(
             seq_num_tokens=mb.fields.get("seq_num_tokens"),
         )
         metrics["pg_loss"] = loss.detach()
+        if weight is not None:
+            metrics.update(
+                correction_metrics(weight, mb.fields["rollout_keep"], mask, norm.num_tokens)
+            )
         if cfg.positive_nll_coef:
             nll, nll_metrics = positive_nll_loss(
                 logp, mask, mb.fields["positive"], num_positive_tokens=norm.num_positive_tokens

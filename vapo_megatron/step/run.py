@@ -149,7 +149,8 @@ def update_models(
             if cfg.reward.overlong_filter
             else [True] * len(trajectories)
         ),
-        route=route,
+        route=route, rollout_logprobs=trajectories.rollout_logprobs,
+        correction=cfg.algorithm.rollout_correction,
     )  # fmt: skip
     num_minibatches = _num_minibatches(session)
     metrics = run_updates(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vapo_megatron.algorithms.config import AlgoConfig
+from vapo_megatron.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_weights
 from vapo_megatron.data.packing import MicroBatch, Sample
 from vapo_megatron.parallel.collectives import all_gather_objects
 from vapo_megatron.parallel.devices import HOST
@@ -30,6 +31,8 @@ CRITIC_FIELDS = ["returns", "old_values"]
 """Per-token fields the critic's loss reads (``losses.value_loss_fn``)."""
 POLICY_FIELDS = ["old_logprobs", "advantages", "positive", "seq_num_tokens"]
 """Per-token fields the policy's loss reads (``losses.policy_loss_fn``)."""
+CORRECTION_FIELDS = ["rollout_weight", "rollout_keep"]
+"""Per-token fields of the rollout importance correction, when it is on (``rollout_correction``)."""
 
 
 def minibatch_indices(num_samples: int, num_minibatches: int, seed: int) -> list[torch.Tensor]:
@@ -60,6 +63,16 @@ class UpdateData:
     """[S] samples the policy trains on (False: filtered as overlong)."""
     route: OutputRoute
     """Which samples' fields each rank holds, and so trains on."""
+    rollout_logprobs: torch.Tensor | None = None
+    """[N] float32 vLLM's log-probs by the responses' offsets (the rollout correction's input)."""
+    correction: RolloutCorrectionConfig | None = None
+    """Rollout importance correction of the policy loss; None or off: none."""
+
+    @property
+    def policy_field_names(self) -> list[str]:
+        """The per-token fields the policy's loss reads (the correction's when it is on)."""
+        on = self.correction is not None and self.correction.enabled
+        return POLICY_FIELDS + CORRECTION_FIELDS if on else POLICY_FIELDS
 
     def critic_fields(self, i: int, flat: slice) -> dict[str, torch.Tensor]:
         length = flat.stop - flat.start
@@ -67,12 +80,23 @@ class UpdateData:
 
     def policy_fields(self, i: int, flat: slice) -> dict[str, torch.Tensor]:
         length = flat.stop - flat.start
-        return {
+        out = {
             "old_logprobs": self.fields.of("old_logprobs", i, length),
             "advantages": self.fields.of("advantages", i, length),
             "positive": torch.full((length,), self.positive[i], dtype=torch.bool, device=HOST),
             "seq_num_tokens": torch.full((length,), float(length), device=HOST),
         }
+        if self.correction is not None and self.correction.enabled:
+            if self.rollout_logprobs is None:
+                raise ValueError(
+                    "algorithm.rollout_correction is on but the step has no rollout log-probs"
+                )
+            weight, keep = rollout_weights(
+                out["old_logprobs"], self.rollout_logprobs[flat],
+                torch.tensor([0, length], device=HOST), self.correction,
+            )  # fmt: skip
+            out.update(rollout_weight=weight, rollout_keep=keep)
+        return out
 
     def both_fields(self, i: int, flat: slice) -> dict[str, torch.Tensor]:
         return {**self.critic_fields(i, flat), **self.policy_fields(i, flat)}
@@ -144,7 +168,7 @@ def update_minibatch(
         )  # fmt: skip
         packed = micro_batches(
             samples, critic.layout, cp_rank=critic.cp_rank, token_budget=token_budget,
-            field_names=CRITIC_FIELDS + POLICY_FIELDS,
+            field_names=CRITIC_FIELDS + data.policy_field_names,
         )  # fmt: skip
     critic_out = policy_out = None
     if critic_ids is not None:
@@ -159,7 +183,7 @@ def update_minibatch(
         policy_out = _update(
             data, policy, policy_ids, data.policy_fields,
             lambda norm: policy_loss_fn(algo, norm, vocab, temperature=temperature),
-            POLICY_FIELDS, packed=packed, token_budget=token_budget,
+            data.policy_field_names, packed=packed, token_budget=token_budget,
         )  # fmt: skip
         if timer is not None:
             timer.lap("update_policy")
