@@ -23,6 +23,17 @@ class ModelLayout:
     """Virtual pipeline stages per pipeline rank (interleaved schedule); None: off."""
     sequence_parallel: bool = False
     """Shard norms' and dropouts' activations along the sequence across TP (needs tp > 1)."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): each rank holds num_experts / ep experts. Expert
+    groups are cut from the tp * cp * dp ranks of a pipeline stage, as megatron's are."""
+    etp: int | None = None
+    """Expert tensor-parallel size; None: the same as tp (megatron's default). Expert data
+    parallelism takes the rest: tp * cp * dp / (etp * ep)."""
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect (``etp``, else ``tp``)."""
+        return self.tp if self.etp is None else self.etp
 
     def check(self, hf: HFModelConfig) -> None:
         """ValueError naming the value and the fix for a layout the model cannot take."""
@@ -43,20 +54,73 @@ class ModelLayout:
             raise ValueError(
                 f"pp * vpp = {stages} must divide num_layers={hf.num_layers}; change pp or vpp"
             )
+        self._check_experts(hf)
+
+    def _check_experts(self, hf: HFModelConfig) -> None:
+        if min(self.ep, self.expert_tp) < 1:
+            raise ValueError(f"ep and etp must be >= 1, got ep={self.ep}, etp={self.etp}")
+        if not hf.is_moe:
+            if self.ep != 1 or self.etp not in (None, self.tp):
+                raise ValueError(
+                    f"ep={self.ep}, etp={self.etp} on a dense {hf.family} model (no experts); "
+                    "set ep=1 and etp=null"
+                )
+            return
+        if hf.num_experts % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide num_experts={hf.num_experts}; pick an ep that does"
+            )
+        if hf.moe_intermediate_size % self.expert_tp:
+            raise ValueError(
+                f"expert tensor parallelism {self.expert_tp} (etp, else tp) must divide "
+                f"moe_intermediate_size={hf.moe_intermediate_size}; pick another etp"
+            )
+        # megatron-core 0.16.1 MoELayer.forward raises in training for TP > 1 without
+        # sequence parallelism (the dispatcher would route each TP rank's copy of a token).
+        if self.tp > 1 and not self.sequence_parallel:
+            raise ValueError(
+                f"an MoE model at tp={self.tp} needs sequence_parallel=true (megatron-core's "
+                "MoE layer refuses tensor parallelism without it in training)"
+            )
 
 
-def layout_sizes(*, tp: int, pp: int, cp: int, world_size: int) -> dict[str, int]:
-    """{"tp", "cp", "dp", "pp"} sizes of a layout on ``world_size`` ranks (DP takes the rest);
-    ValueError naming the sizes when they do not fit."""
-    if min(tp, pp, cp) < 1:
-        raise ValueError(f"tp, pp, cp must be >= 1, got tp={tp}, pp={pp}, cp={cp}")
+def layout_sizes(
+    *, tp: int, pp: int, cp: int, world_size: int, ep: int = 1, etp: int | None = None
+) -> dict[str, int]:
+    """{"tp", "cp", "dp", "pp", "ep", "etp", "edp"} sizes of a layout on ``world_size`` ranks
+    (DP takes the rest); ValueError naming the sizes when they do not fit.
+
+    Expert groups as megatron-core 0.16.1's ``initialize_model_parallel`` cuts them: the
+    tp * cp * dp ranks of each pipeline stage are split again into etp (expert TP, default
+    tp) x ep x edp (expert data parallel, the rest), so etp * ep must divide tp * cp * dp."""
+    etp = tp if etp is None else etp
+    if min(tp, pp, cp, ep, etp) < 1:
+        raise ValueError(
+            f"tp, pp, cp, ep, etp must be >= 1, got tp={tp}, pp={pp}, cp={cp}, ep={ep}, etp={etp}"
+        )
     if world_size % (tp * pp * cp):
         raise ValueError(
             f"tp * pp * cp = {tp} * {pp} * {cp} = {tp * pp * cp} does not divide the "
             f"{world_size} ranks; pick sizes whose product divides {world_size} (data "
             f"parallelism takes the rest)"
         )
-    return {"tp": tp, "cp": cp, "dp": world_size // (tp * pp * cp), "pp": pp}
+    stage = world_size // pp
+    if stage % (etp * ep):
+        raise ValueError(
+            f"etp * ep = {etp} * {ep} = {etp * ep} does not divide the {stage} ranks of a "
+            f"pipeline stage (tp * cp * dp = {world_size} / pp {pp}); pick an ep (and etp) "
+            f"whose product divides {stage} (expert data parallelism takes the rest)"
+        )
+    dp = world_size // (tp * pp * cp)
+    return {
+        "tp": tp,
+        "cp": cp,
+        "dp": dp,
+        "pp": pp,
+        "ep": ep,
+        "etp": etp,
+        "edp": stage // (etp * ep),
+    }
 
 
 def check_layout_pair(policy: ModelLayout, critic: ModelLayout, world_size: int) -> None:
@@ -74,6 +138,9 @@ def check_layout_pair(policy: ModelLayout, critic: ModelLayout, world_size: int)
     """
     for name, layout in (("policy", policy), ("critic", critic)):
         try:
-            layout_sizes(tp=layout.tp, pp=layout.pp, cp=layout.cp, world_size=world_size)
+            layout_sizes(
+                tp=layout.tp, pp=layout.pp, cp=layout.cp, world_size=world_size,
+                ep=layout.ep, etp=layout.etp,
+            )  # fmt: skip
         except ValueError as err:
             raise ValueError(f"{name} layout: {err}") from None

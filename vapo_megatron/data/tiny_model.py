@@ -5,7 +5,10 @@
   appears. DAPO's instruction (before and after the problem) is one added token each, and
   special tokens ``<|endoftext|>`` (eos, id 0) and ``<|pad|>`` (id 1).
 - Policy: ``Qwen2ForCausalLM`` with random weights from the seed, in a shape vLLM's CPU build
-  runs (head_dim 64) and Megatron splits at TP 2 / PP 2 (2 heads, 2 layers).
+  runs (head_dim 64) and Megatron splits at TP 2 / PP 2 (2 heads, 2 layers). Or (``family``)
+  a tiny ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` (:func:`tiny_qwen3_config`: qk norms,
+  head_dim 64 != hidden / heads = 16; 4 experts, top 2), split at TP 2, PP 2, CP 2, EP 2 and
+  EP 2 x TP 2; tied or untied embeddings.
 - Warm-up (optional): a short supervised run on (prompt, solution) pairs of the train split,
   loss on the solution and eos tokens only, so RL starts from a low but non-zero pass rate;
   the solutions may slip (``slip_rate``) or be guesses (``guess_rate``). Measured on the 200
@@ -29,7 +32,17 @@ from typing import Any
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from vapo_megatron.data.prompts import PromptRecord
 from vapo_megatron.data.synthetic import (
@@ -53,6 +66,13 @@ WARMUP_TEMPLATES = ("dapo", "raw")
 """Prompt templates the tiny model can be built for (it has no chat template)."""
 CORPUS_ROWS = 2000
 """Rows drawn for the tokenizer's corpus when no train split is given."""
+TINY_FAMILIES = {
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+}
+"""The HF model types a tiny model can be built as (:func:`tiny_model_config`), and the class
+built for each."""
 
 
 def train_tokenizer(
@@ -113,6 +133,73 @@ def tiny_qwen2_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
     )
 
 
+def tiny_qwen3_config(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    moe: bool,
+    tie_word_embeddings: bool = False,
+    num_layers: int = 2,
+    num_experts: int = 4,
+    top_k: int = 2,
+) -> Qwen3Config | Qwen3MoeConfig:
+    """A tiny Qwen3 (``moe=False``) or Qwen3-MoE config on ``tokenizer``'s vocabulary.
+
+    hidden 64, 4 query heads and 2 KV heads of head_dim 64 (query width 256 != hidden: the
+    explicit head_dim path; 64 is a head size vLLM's CPU attention takes), qk norms; dense MLP
+    width 128. MoE: every layer ``num_experts`` experts of width 32 (even: expert TP 2), top
+    ``top_k`` renormalised (``norm_topk_prob``, as the published Qwen3-MoE checkpoints), no
+    aux-loss output. Splits at TP 2 (heads), PP 2 (layers), EP 2 (experts).
+    """
+    common: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        use_sliding_window=False,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    if not moe:
+        return Qwen3Config(**common)
+    return Qwen3MoeConfig(
+        **common,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        output_router_logits=False,
+    )
+
+
+def tiny_model_config(
+    tokenizer: PreTrainedTokenizerFast, family: str = "qwen2", *, tie_word_embeddings: bool = False
+) -> PretrainedConfig:
+    """The tiny policy's config of ``family`` (one of :data:`TINY_FAMILIES`)."""
+    if family == "qwen2":
+        config = tiny_qwen2_config(tokenizer)
+        config.tie_word_embeddings = tie_word_embeddings
+        return config
+    if family in ("qwen3", "qwen3_moe"):
+        return tiny_qwen3_config(
+            tokenizer, moe=family == "qwen3_moe", tie_word_embeddings=tie_word_embeddings
+        )
+    raise ValueError(
+        f"tiny model family {family!r} is not known; choose one of {list(TINY_FAMILIES)}"
+    )
+
+
 def write_tiny_model(
     out_dir: str | Path,
     *,
@@ -122,8 +209,14 @@ def write_tiny_model(
     template: str = "dapo",
     slip_rate: float = 0.0,
     guess_rate: float = 0.0,
+    family: str = "qwen2",
+    tie_word_embeddings: bool = False,
 ) -> Path:
-    """Writes tokenizer + Qwen2 policy (+ warm-up) to ``out_dir``; returns ``out_dir``.
+    """Writes tokenizer + policy (+ warm-up) to ``out_dir``; returns ``out_dir``.
+
+    ``family``: the policy's HF model type (:data:`TINY_FAMILIES`, :func:`tiny_model_config`):
+    the demo's Qwen2 by default, or a tiny Qwen3 / Qwen3-MoE with random weights from ``seed``;
+    ``tie_word_embeddings``: lm_head shares the embedding.
 
     The tokenizer's corpus and the warm-up data are the rows of ``train_path`` (a plain JSONL
     split from ``synthetic.write_split``), or rows drawn from ``seed`` when it is None.
@@ -136,6 +229,10 @@ def write_tiny_model(
     for name, rate in (("slip_rate", slip_rate), ("guess_rate", guess_rate)):
         if not 0.0 <= rate < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {rate}")
+    if family not in TINY_FAMILIES:
+        raise ValueError(
+            f"tiny model family {family!r} is not known; choose one of {list(TINY_FAMILIES)}"
+        )
     if template not in WARMUP_TEMPLATES:
         raise ValueError(
             f"template {template!r} cannot be used: the tiny tokenizer has no chat template; "
@@ -144,7 +241,8 @@ def write_tiny_model(
     rows = read_rows(train_path) if train_path is not None else make_rows(CORPUS_ROWS, seed)
     tokenizer = train_tokenizer(_corpus(rows))
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(tiny_qwen2_config(tokenizer))
+    config = tiny_model_config(tokenizer, family, tie_word_embeddings=tie_word_embeddings)
+    model = TINY_FAMILIES[family](config)
     if warmup_steps > 0:
         warm_up(
             model, tokenizer, rows, steps=warmup_steps, seed=seed, template=template,
@@ -161,7 +259,7 @@ def write_tiny_model(
 
 
 def warm_up(
-    model: Qwen2ForCausalLM,
+    model: Any,
     tokenizer: PreTrainedTokenizerFast,
     rows: Sequence[dict[str, str]],
     *,

@@ -1,8 +1,8 @@
 """HF ``config.json`` -> megatron-core ``TransformerConfig`` and ``GPTModel`` arguments.
 
 ``HFModelConfig.from_hf(config_dict)`` reads the facts a Megatron model needs from a Hugging
-Face config (Qwen2/Qwen2.5 and Llama 3 families) and rejects anything the Megatron model would
-compute differently. Both config dialects are read: transformers 4.x (``rope_theta`` and
+Face config (Qwen2/Qwen2.5, Llama 3, Qwen3 and Qwen3-MoE families) and rejects anything the
+Megatron model would compute differently. Both config dialects are read: transformers 4.x (``rope_theta`` and
 ``rope_scaling`` at the top level, ``torch_dtype``) and 5.x (``rope_parameters``, ``dtype``).
 
 Decisions:
@@ -14,8 +14,17 @@ Decisions:
   transformers' ``_compute_llama3_parameters`` line by line; only ``factor`` is a parameter
   (``GPTModel(rope_scaling=True, rope_scaling_factor=factor)``). Other values, and every
   other RoPE type (linear, dynamic, yarn, longrope), raise.
-- Llama ``attention_bias`` / ``mlp_bias`` and Qwen2 ``use_sliding_window`` raise when true: no
-  published Llama 3 or Qwen2.5 checkpoint sets them.
+- Llama ``attention_bias`` / ``mlp_bias`` and Qwen2/Qwen3 ``use_sliding_window`` raise when
+  true, and so does Qwen3's ``attention_bias``: no published Llama 3, Qwen2.5 or Qwen3
+  checkpoint sets them.
+- Qwen3 normalises queries and keys per head (``q_norm``/``k_norm``, RMSNorm over ``head_dim``,
+  before RoPE): megatron's ``qk_layernorm``. Its ``head_dim`` is explicit and need not be
+  hidden / heads (Qwen3-32B: 64 x 128 = 8192 against hidden 5120): megatron's ``kv_channels``.
+- Qwen3-MoE: every layer's MLP is an MoE (``num_experts`` SwiGLU experts of width
+  ``moe_intermediate_size``, softmax router, top ``num_experts_per_tok``, renormalised when
+  ``norm_topk_prob``, no shared expert). ``mlp_only_layers`` (dense layers among the MoE
+  ones) and ``decoder_sparse_step`` != 1 (MoE every k-th layer) are refused, naming them:
+  every published Qwen3-MoE has every layer an MoE.
 - The checkpoint dtype is reported (``dtype``) but not turned into Megatron arguments: the
   training precision is the trainer's choice; an exporter casts back to ``dtype``.
 """
@@ -29,7 +38,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-Family = Literal["qwen2", "llama"]
+Family = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
 Head = Literal["lm", "value"]
 """The model's output: 'lm' (policy: logits over the vocabulary) or 'value' (critic: one scalar
 per token)."""
@@ -39,6 +48,8 @@ per token)."""
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
     "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
 }
 
 # Fixed inside megatron-core 0.16.1's RotaryEmbedding._apply_scaling.
@@ -88,6 +99,22 @@ class HFModelConfig:
     dtype: torch.dtype
     """dtype of the checkpoint's tensors (``dtype`` or ``torch_dtype``; float32 when absent,
     as transformers loads it)."""
+    qk_layernorm: bool = False
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3's ``q_norm``/``k_norm``)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: a dense model."""
+    moe_top_k: int = 0
+    """Experts each token is routed to (``num_experts_per_tok``); 0 for a dense model."""
+    moe_intermediate_size: int = 0
+    """Width of one expert's SwiGLU MLP (gate and up projections each); 0 for a dense model."""
+    norm_topk_prob: bool = True
+    """Whether the top-k routing probabilities are renormalised to sum to 1 (Qwen3-MoE's
+    ``norm_topk_prob``; every published Qwen3-MoE sets it)."""
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.num_experts > 0
 
     @classmethod
     def from_hf(cls, hf_config: Mapping[str, Any]) -> HFModelConfig:
@@ -109,10 +136,14 @@ class HFModelConfig:
             raise ValueError(
                 f"hidden_act {hf_config['hidden_act']!r} is not supported; need 'silu'"
             )
-        if model_type == "qwen2":
+        if model_type in ("qwen2", "qwen3", "qwen3_moe"):
             _reject_true(hf_config, "use_sliding_window")
-        else:
+        if model_type != "qwen2":
             _reject_true(hf_config, "attention_bias")
+        windowed = sorted({t for t in hf_config.get("layer_types") or () if t != "full_attention"})
+        if windowed:
+            raise ValueError(f"layer_types {windowed} are not supported; need full_attention")
+        if model_type == "llama":
             _reject_true(hf_config, "mlp_bias")
 
         num_heads = _required(hf_config, "num_attention_heads")
@@ -135,6 +166,8 @@ class HFModelConfig:
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             initializer_range=float(hf_config.get("initializer_range", 0.02)),
             dtype=_read_dtype(hf_config),
+            qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+            **(_read_moe(hf_config) if model_type == "qwen3_moe" else {}),
         )
 
     def hf_architecture(self, head: Head) -> str:
@@ -199,6 +232,36 @@ def _reject_true(hf_config: Mapping[str, Any], key: str) -> None:
             f"{key}=true is not supported for model_type {hf_config['model_type']!r} "
             "(the Megatron model would compute something else)"
         )
+
+
+def _read_moe(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config; ValueError for the layer patterns not built."""
+    if hf_config.get("mlp_only_layers"):
+        raise ValueError(
+            f"mlp_only_layers={hf_config['mlp_only_layers']} (dense MLP layers among the MoE "
+            "layers) is not supported: every layer must be an MoE; set mlp_only_layers=[]"
+        )
+    if hf_config.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(
+            f"decoder_sparse_step={hf_config['decoder_sparse_step']} (an MoE every k-th layer) "
+            "is not supported: every layer must be an MoE; set decoder_sparse_step=1"
+        )
+    if hf_config.get("shared_expert_intermediate_size"):
+        raise ValueError("shared experts are not supported (Qwen3-MoE has none)")
+    # transformers 5.x writes num_local_experts; the published configs (4.x) num_experts.
+    num_experts = hf_config.get("num_experts", hf_config.get("num_local_experts"))
+    if not num_experts:
+        raise ValueError("HF config has no 'num_experts' (or 'num_local_experts')")
+    top_k = _required(hf_config, "num_experts_per_tok")
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+    return {
+        "num_experts": num_experts,
+        "moe_top_k": top_k,
+        "moe_intermediate_size": _required(hf_config, "moe_intermediate_size"),
+        # transformers' Qwen3MoeConfig default is False; every published checkpoint sets true.
+        "norm_topk_prob": bool(hf_config.get("norm_topk_prob", False)),
+    }
 
 
 def _read_rope(hf_config: Mapping[str, Any]) -> tuple[float, float | None]:
