@@ -50,9 +50,43 @@ decoder.layers.{i}.pre_mlp_layernorm.weight  decoder.layers.{i}.mlp.linear_fc1.
                                                layer_norm_weight
 ===========================================  ===========================================
 
+Qwen3 (``qk_layernorm``) adds two rows per layer, the same under both specs; Qwen3-MoE
+replaces the MLP rows by a router and the routed experts (no shared expert). Layer l holds
+global experts e; a rank of EP rank r with local = num_experts / EP experts holds
+e = r * local + j as its local expert j (megatron's ``local_expert_indices_offset``); expert
+tensors split over expert TP (``etp``, default TP) as a dense MLP's do over TP:
+
+===================================================  =====================================  ========
+Megatron name                                        HF name(s)                             split
+===================================================  =====================================  ========
+decoder.layers.{i}.self_attention.q_layernorm.weight model.layers.{l}.self_attn.q_norm.weight REPLICATED
+decoder.layers.{i}.self_attention.k_layernorm.weight model.layers.{l}.self_attn.k_norm.weight REPLICATED
+decoder.layers.{i}.mlp.router.weight                 model.layers.{l}.mlp.gate.weight       REPLICATED
+decoder.layers.{i}.mlp.experts.local_experts.{j}.    model.layers.{l}.mlp.experts.{e}.      GATE_UP
+  linear_fc1.weight    (SequentialMLP)                 {gate,up}_proj.weight                 (etp)
+decoder.layers.{i}.mlp.experts.linear_fc1.weight{j}  (same)                                 GATE_UP
+                       (TEGroupedMLP, TE grouped GEMM)                                      (etp)
+decoder.layers.{i}.mlp.experts.local_experts.{j}.    model.layers.{l}.mlp.experts.{e}.      ROW
+  linear_fc2.weight    (SequentialMLP)                 down_proj.weight                     (etp)
+decoder.layers.{i}.mlp.experts.linear_fc2.weight{j}  (same)                                 ROW (etp)
+                       (TEGroupedMLP)
+===================================================  =====================================  ========
+
+An MoE layer keeps ``pre_mlp_layernorm.weight`` under the TE spec too (megatron's MoE spec
+does not fuse it: ``pre_mlp_layernorm=TENorm``); only ``input_layernorm`` fuses into
+``linear_qkv``. Which expert scheme a model has is ``ModelRecord.grouped_experts`` (TE spec with
+``moe_grouped_gemm``); the local spec is always SequentialMLP. Shapes (E experts, fe
+``moe_intermediate_size``): q_norm/k_norm [d]; gate [E, h]; per expert gate_proj/up_proj
+[fe, h] -> linear_fc1 [2*fe / etp, h], down_proj [h, fe] -> linear_fc2 [h, fe / etp].
+
 Distributed checkpoints do not see the difference: the local spec maps its norms' keys to the
 TE names (``sharded_state_dict_keys_map`` in megatron's ``get_gpt_layer_local_spec``), so
 checkpoint keys agree between the specs except for ``_extra_state`` (``checkpoint/model.py``).
+Not for an MoE layer's pre-MLP norm: the local spec's map renames it to
+``mlp.linear_fc1.layer_norm_weight`` while TE's MoE layer saves ``pre_mlp_layernorm.weight``
+(megatron-core 0.16.1 ``get_gpt_layer_local_spec`` applies the map whatever the MLP). The
+experts' keys agree: SequentialMLP and TEGroupedMLP both save ``mlp.experts.experts.*`` with a
+global-expert axis (their ``sharded_state_dict``).
 
 Shapes (h hidden, nh/ng query/KV heads, d head_dim, f intermediate, V vocab, t TP; Vp is V
 rounded up to a multiple of make_vocab_size_divisible_by * t), HF -> one TP rank's shard:
@@ -80,6 +114,7 @@ num_key_value_heads ranks; megatron's attention all-gathers it and each rank kee
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import re
@@ -126,6 +161,9 @@ class TensorMap:
     """Layout over the TP ranks."""
     tied_copy: bool = False
     """The last stage's copy of a tied embedding (PP > 1): Megatron -> HF maps it to nothing."""
+    expert: int | None = None
+    """Global index of the routed expert this tensor belongs to (held by one EP rank, split
+    over expert TP instead of TP); None for every other tensor."""
 
 
 @dataclass(frozen=True)
@@ -138,17 +176,33 @@ class ModelChunk:
     """Holds the word embedding (first stage)."""
     has_output: bool
     """Holds the final norm and the output layer (last stage)."""
+    ep_rank: int = 0
+    """This rank's index in its expert-parallel group: it holds routed experts
+    ``ep_rank * local + j`` for j in [0, local = num_experts / ep_size) (megatron's
+    ``local_expert_indices_offset``). 0 for dense models."""
+    ep_size: int = 1
+    """Expert-parallel size (1 for dense models)."""
 
     @classmethod
     def whole(cls, num_layers: int) -> ModelChunk:
-        """The whole model (no pipeline parallelism)."""
+        """The whole model (no pipeline or expert parallelism)."""
         return cls(layers=range(num_layers), has_embedding=True, has_output=True)
+
+    def global_expert(self, local_index: int, num_experts: int) -> int:
+        """The global index of local expert ``local_index`` of this EP rank."""
+        return self.ep_rank * (num_experts // self.ep_size) + local_index
 
     @classmethod
     def for_stage(
-        cls, config: TransformerConfig, pp_rank: int, vp_stage: int | None = None
+        cls,
+        config: TransformerConfig,
+        pp_rank: int,
+        vp_stage: int | None = None,
+        *,
+        ep_rank: int = 0,
     ) -> ModelChunk:
-        """The chunk GPTModel builds at this pipeline rank and virtual stage.
+        """The chunk GPTModel builds at this pipeline rank and virtual stage (and EP rank: the
+        expert-parallel size is ``config.expert_model_parallel_size``).
 
         Delegates to megatron-core's own layer placement, so uneven pipelines
         (``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``,
@@ -184,6 +238,8 @@ class ModelChunk:
             layers=range(offset, offset + count),
             has_embedding=pp_rank == 0 and first_virtual,
             has_output=pp_rank == pp_size - 1 and last_virtual,
+            ep_rank=ep_rank,
+            ep_size=config.expert_model_parallel_size,
         )
 
 
@@ -233,7 +289,33 @@ _QKV_BIAS_MAP = (
     ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     Split.QKV,
 )
+# Qwen3's per-head query/key RMSNorms (megatron ``qk_layernorm``), under both specs.
+_QK_NORM_MAPS = (
+    (
+        "self_attention.q_layernorm.weight",
+        "self_attention.q_layernorm.weight",
+        ("self_attn.q_norm.weight",),
+        Split.REPLICATED,
+    ),
+    (
+        "self_attention.k_layernorm.weight",
+        "self_attention.k_layernorm.weight",
+        ("self_attn.k_norm.weight",),
+        Split.REPLICATED,
+    ),
+)
+# An MoE layer's router (megatron ``TopKRouter.weight``, [num_experts, hidden]), replicated.
+_ROUTER_MAP = ("mlp.router.weight", "mlp.router.weight", ("mlp.gate.weight",), Split.REPLICATED)
+# An MoE layer under the TE spec keeps its own pre-MLP norm (megatron's MoE spec has
+# ``fuse_pre_mlp_layernorm: False``: ``pre_mlp_layernorm=TENorm``): only input_layernorm fuses.
+_MOE_PRE_MLP_NORM = (
+    "pre_mlp_layernorm.weight",
+    "pre_mlp_layernorm.weight",
+    ("post_attention_layernorm.weight",),
+    Split.REPLICATED,
+)
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
 
 
 @dataclass(frozen=True)
@@ -250,10 +332,22 @@ class ModelRecord:
     """Layer spec of the model the names refer to: 'local' (megatron-core's local spec) or 'te'
     (Transformer Engine's, norms fused into the next linear); ``provider.layer_spec_kind``
     tells it for a built spec."""
+    grouped_experts: bool = False
+    """The routed experts are Transformer Engine's grouped GEMM (``TEGroupedMLP``: the TE
+    spec with ``moe_grouped_gemm``), one parameter per local expert j named
+    ``mlp.experts.linear_fc1.weight{j}``; else megatron's ``SequentialMLP``
+    (``mlp.experts.local_experts.{j}.linear_fc1.weight``, the local spec and TE without grouped
+    GEMM). Only meaningful for MoE models."""
 
     def __post_init__(self) -> None:
         if self.layer_spec not in ("local", "te"):
             raise ValueError(f"layer_spec must be 'local' or 'te', got {self.layer_spec!r}")
+        if self.grouped_experts and self.layer_spec != "te":
+            raise ValueError(
+                "grouped_experts needs layer_spec='te': megatron's local spec with "
+                "moe_grouped_gemm builds the legacy GroupedMLP (weight1/weight2), which this "
+                "record does not map; build the local spec without moe_grouped_gemm"
+            )
 
     # ----- names -----
 
@@ -269,15 +363,36 @@ class ModelRecord:
 
     def hf_shape(self, hf_name: str) -> tuple[int, ...]:
         """Shape of an HF tensor of this model; ValueError for a name it does not have."""
+        key, out_of_range = hf_name, False
         layer = _HF_LAYER.fullmatch(hf_name)
-        shape = _hf_shapes(self).get(f"model.layers.*.{layer[2]}" if layer else hf_name)
-        if shape is None or (layer is not None and int(layer[1]) >= self.config.num_layers):
+        if layer is not None:
+            key, out_of_range = (
+                f"model.layers.*.{layer[2]}",
+                int(layer[1]) >= self.config.num_layers,
+            )
+            expert = _HF_EXPERT.fullmatch(layer[2])
+            if expert is not None:
+                key = f"model.layers.*.mlp.experts.*.{expert[2]}"
+                out_of_range |= int(expert[1]) >= self.config.num_experts
+        shape = _hf_shapes(self).get(key)
+        if shape is None or out_of_range:
             raise ValueError(
                 f"unknown HF tensor {hf_name!r} for a {self.config.family} model with "
-                f"{self.config.num_layers} layers, head={self.head!r}, "
-                f"tie_word_embeddings={self.config.tie_word_embeddings}"
+                f"{self.config.num_layers} layers, {self.config.num_experts} experts, "
+                f"head={self.head!r}, tie_word_embeddings={self.config.tie_word_embeddings}"
             )
         return shape
+
+    def ep_peers(self, m: TensorMap, chunk: ModelChunk) -> list[TensorMap]:
+        """The maps of the same Megatron tensor on every rank of ``chunk``'s expert-parallel
+        group, by EP rank: for an expert's tensor, the same local slot j holding global expert
+        ``r * local + j`` on EP rank r; for any other tensor, ``[m] * ep_size``."""
+        if m.expert is None:
+            return [m] * chunk.ep_size
+        return [
+            self.tensor_maps(dataclasses.replace(chunk, ep_rank=r))[m.megatron_name]
+            for r in range(chunk.ep_size)
+        ]
 
     # ----- HF -> Megatron -----
 
@@ -287,8 +402,15 @@ class ModelRecord:
         tp_rank: int,
         tp_size: int,
         chunk: ModelChunk,
+        *,
+        etp_rank: int | None = None,
+        etp_size: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """The state dict of one (TP rank, model chunk), from HF-named tensors.
+
+        The routed experts of ``chunk`` (its EP rank's) are split over expert tensor
+        parallelism: ``etp_rank`` of ``etp_size`` (None: the TP rank and size, megatron's
+        default ``expert_tensor_parallel_size``).
 
         ``hf_tensors`` may be a dict or a stream of (name, tensor) pairs (e.g. read lazily from
         safetensors files); tensors of other stages are passed over, and each fused group is
@@ -296,7 +418,10 @@ class ModelRecord:
         partial group besides the result. Every returned tensor owns its storage. ValueError
         for an unknown name, a duplicate, a wrong shape or a missing tensor.
         """
+        etp_rank = tp_rank if etp_rank is None else etp_rank
+        etp_size = tp_size if etp_size is None else etp_size
         self._check_parallel(tp_rank, tp_size, chunk)
+        self._check_expert_parallel(etp_rank, etp_size, chunk)
         maps = self.tensor_maps(chunk)
         wanted = {hf_name: m for m in maps.values() for hf_name in m.hf_names}
         items = hf_tensors.items() if isinstance(hf_tensors, Mapping) else hf_tensors
@@ -320,7 +445,8 @@ class ModelRecord:
             if len(parts) == len(m.hf_names):
                 del pending[m.megatron_name]
                 parts_in_order = [parts[name] for name in m.hf_names]
-                shards[m.megatron_name] = self._to_shard(m, parts_in_order, tp_rank, tp_size)
+                rank, size = (tp_rank, tp_size) if m.expert is None else (etp_rank, etp_size)
+                shards[m.megatron_name] = self._to_shard(m, parts_in_order, rank, size)
         missing = [name for name in wanted if name not in seen]
         if missing:
             raise ValueError(
@@ -359,13 +485,18 @@ class ModelRecord:
     ) -> list[tuple[str, torch.Tensor]]:
         """The full HF tensor(s) of one Megatron tensor, from its shards on every TP rank.
 
-        ``megatron_name`` is local to ``chunk``; ``tp_shards[r]`` is TP rank r's shard. Fused
-        QKV comes back as q, k, v; fc1 as gate, up; vocabulary padding is dropped. The tied
-        embedding copy of the last stage gives ``[]``. Every returned tensor owns its storage.
+        ``megatron_name`` is local to ``chunk``; ``tp_shards[r]`` is TP rank r's shard (for a
+        routed expert's tensor: expert-TP rank r's). Fused QKV comes back as q, k, v; fc1 as
+        gate, up; vocabulary padding is dropped. The tied embedding copy of the last stage
+        gives ``[]``. Every returned tensor owns its storage.
         """
         tp_size = len(tp_shards)
-        self._check_parallel(0, tp_size, chunk)
+        self._check_parallel(0, 1, chunk)
         m = self.tensor_maps(chunk).get(megatron_name)
+        if m is not None and m.expert is not None:
+            self._check_expert_parallel(0, tp_size, chunk)
+        else:
+            self._check_parallel(0, tp_size, chunk)
         if m is None:
             raise ValueError(
                 f"unknown Megatron tensor {megatron_name!r} for layers {chunk.layers} "
@@ -430,7 +561,7 @@ class ModelRecord:
             heads % tp_size
             or (groups % tp_size and tp_size % groups)
             or qkv_rows % tp_size
-            or cfg.intermediate_size % tp_size
+            or (not cfg.is_moe and cfg.intermediate_size % tp_size)
         ):
             raise ValueError(
                 f"TP={tp_size} does not fit this model: megatron-core needs TP to divide "
@@ -440,6 +571,25 @@ class ModelRecord:
             )
         if chunk.layers.step != 1 or chunk.layers.start < 0 or chunk.layers.stop > cfg.num_layers:
             raise ValueError(f"layers {chunk.layers} are not within the model's {cfg.num_layers}")
+        if not 0 <= chunk.ep_rank < chunk.ep_size:
+            raise ValueError(f"ep_rank={chunk.ep_rank} is not in [0, ep_size={chunk.ep_size})")
+        if chunk.ep_size > 1 and not cfg.is_moe:
+            raise ValueError(f"ep_size={chunk.ep_size} on a dense {cfg.family} model; use ep=1")
+        if cfg.is_moe and cfg.num_experts % chunk.ep_size:
+            raise ValueError(
+                f"EP={chunk.ep_size} must divide num_experts={cfg.num_experts}; choose another EP"
+            )
+
+    def _check_expert_parallel(self, etp_rank: int, etp_size: int, chunk: ModelChunk) -> None:
+        if not 0 <= etp_rank < etp_size:
+            raise ValueError(f"etp_rank={etp_rank} is not in [0, etp_size={etp_size})")
+        width = self.config.moe_intermediate_size
+        if self.config.is_moe and width % etp_size:
+            raise ValueError(
+                f"expert TP={etp_size} must divide moe_intermediate_size={width}; choose "
+                "another etp (expert tensor parallel size, default: tp)"
+            )
+        self._check_parallel(0, 1, chunk)
 
 
 @functools.cache
@@ -451,13 +601,22 @@ def _tensor_maps(record: ModelRecord, chunk: ModelChunk) -> dict[str, TensorMap]
                 "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Split.VOCAB
             )
         )
-    layer_maps = _LAYER_MAPS + ((_QKV_BIAS_MAP,) if record.config.qkv_bias else ())
+    cfg = record.config
+    if cfg.is_moe:  # attention, its norms, the pre-MLP norm; the router and experts follow
+        layer_maps = _LAYER_MAPS[:3] + (_MOE_PRE_MLP_NORM,)
+    else:
+        layer_maps = _LAYER_MAPS
+    layer_maps += (_QKV_BIAS_MAP,) if cfg.qkv_bias else ()
+    layer_maps += _QK_NORM_MAPS if cfg.qk_layernorm else ()
+    layer_maps += (_ROUTER_MAP,) if cfg.is_moe else ()
     te = record.layer_spec == "te"
     for local, layer in enumerate(chunk.layers):
         for local_suffix, te_suffix, hf_suffixes, split in layer_maps:
             megatron_suffix = te_suffix if te else local_suffix
             hf_names = tuple(f"model.layers.{layer}.{suffix}" for suffix in hf_suffixes)
             maps.append(TensorMap(f"decoder.layers.{local}.{megatron_suffix}", hf_names, split))
+        if cfg.is_moe:
+            maps.extend(_expert_maps(record, chunk, local, layer))
     if chunk.has_output:
         maps.append(
             TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), Split.REPLICATED)
@@ -476,6 +635,28 @@ def _tensor_maps(record: ModelRecord, chunk: ModelChunk) -> dict[str, TensorMap]
                 )
             )
     return {m.megatron_name: m for m in maps}
+
+
+def _expert_maps(record: ModelRecord, chunk: ModelChunk, local: int, layer: int) -> list[TensorMap]:
+    """The routed experts of local layer ``local`` (global ``layer``) on ``chunk``'s EP rank:
+    local expert j is global expert ``ep_rank * local_count + j``; per expert, fc1 (gate and
+    up fused as in a dense MLP) then fc2. Names as megatron-core 0.16.1's ``SequentialMLP``
+    (``local_experts.{j}`` modules) or ``TEGroupedMLP`` (TE ``GroupedLinear``'s ``weight{j}``)
+    register them (``transformer/moe/experts.py``)."""
+    maps = []
+    prefix = f"decoder.layers.{local}.mlp.experts"
+    for j in range(record.config.num_experts // chunk.ep_size):
+        expert = chunk.global_expert(j, record.config.num_experts)
+        hf = f"model.layers.{layer}.mlp.experts.{expert}"
+        if record.grouped_experts:
+            fc1, fc2 = f"{prefix}.linear_fc1.weight{j}", f"{prefix}.linear_fc2.weight{j}"
+        else:
+            fc1 = f"{prefix}.local_experts.{j}.linear_fc1.weight"
+            fc2 = f"{prefix}.local_experts.{j}.linear_fc2.weight"
+        gate_up = (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight")
+        maps.append(TensorMap(fc1, gate_up, Split.GATE_UP, expert=expert))
+        maps.append(TensorMap(fc2, (f"{hf}.down_proj.weight",), Split.ROW, expert=expert))
+    return maps
 
 
 @functools.cache
@@ -501,6 +682,21 @@ def _hf_shapes(record: ModelRecord) -> dict[str, tuple[int, ...]]:
                 "self_attn.q_proj.bias": (q_rows,),
                 "self_attn.k_proj.bias": (kv_rows,),
                 "self_attn.v_proj.bias": (kv_rows,),
+            }
+        )
+    if cfg.qk_layernorm:
+        layer.update({"self_attn.q_norm.weight": (cfg.head_dim,)})
+        layer.update({"self_attn.k_norm.weight": (cfg.head_dim,)})
+    if cfg.is_moe:  # experts written as mlp.experts.*; hf_shape checks the index
+        width = cfg.moe_intermediate_size
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del layer[f"mlp.{name}.weight"]
+        layer.update(
+            {
+                "mlp.gate.weight": (cfg.num_experts, hidden),
+                "mlp.experts.*.gate_proj.weight": (width, hidden),
+                "mlp.experts.*.up_proj.weight": (width, hidden),
+                "mlp.experts.*.down_proj.weight": (hidden, width),
             }
         )
     shapes = {f"model.layers.*.{name}": shape for name, shape in layer.items()}
