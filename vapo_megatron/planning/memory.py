@@ -3,11 +3,14 @@
 The model behind ``tools/plan.py``. Every figure is labelled in its output as one of:
 
 - **exact**: parameter counts. :func:`shard_param_count` gives the parameters one rank of a
-  megatron-core ``GPTModel`` holds at a TP/PP layout (checked against real CPU builds in
-  ``tests/unit/planning/test_memory_plan.py``), so params, grads and Adam state are exact counts times
+  megatron-core ``GPTModel`` holds at a TP/PP/EP layout (checked against real CPU builds in
+  ``tests/unit/planning/test_memory_plan.py``, MoE ones against meta builds in
+  ``test_moe_plan.py``), so params, grads and Adam state are exact counts times
   their byte sizes: bf16 params 2 B; grads 4 B with ``grad_reduce_in_fp32`` (the recipe's
   ``gpu.grad_reduce_in_fp32``; auto = on for bf16), else 2 B; Adam 12 B (fp32 main copy + two
-  moments) divided by the DP x CP ranks under the distributed optimizer. fp32 training: 4 + 4
+  moments) divided, under the distributed optimizer, by the DP x CP ranks for dense
+  parameters and by the expert-DP ranks (world / (ETP x EP x PP)) for expert ones
+  (``planning/params.py``). fp32 training: 4 + 4
   + 8 B. The dry run (``planning/dry_run.py``) reads the same figures from the objects megatron
   builds at the real layout: equal, except that the distributed optimizer pads each DDP bucket
   to a multiple of lcm(DP x CP, 128) elements and shards along bucket boundaries (zero
@@ -28,15 +31,23 @@ The model behind ``tools/plan.py``. Every figure is labelled in its output as on
   model's recipe sets it: selective drops only the s^2 scores (none counted here); full keeps
   each recomputed group's input (2h per token) and, during its backward, the group's full
   activations (uniform: num_layers layers; block: the first num_layers layers of a stage
-  recomputed, the rest stored). One more layer's worth is live during its backward.
+  recomputed, the rest stored). One more layer's worth is live during its backward. MoE
+  layers: the router's probabilities, top-k routed rows per token through the experts and
+  the all-to-all dispatch buffers (``planning/activations.py``).
   vLLM when awake takes ``gpu_memory_utilization`` of the device: its weight shard (bf16 over
   vLLM TP, exact), ``VLLM_OVERHEAD`` (profile-run activations, sampler) and, without
   ``enforce_eager``, ``VLLM_CUDA_GRAPHS`` (vLLM >= 0.11 profiles the graph pool inside its
-  budget); the KV cache is the rest. Asleep it holds nothing on the device (level 1 keeps a
+  budget); the KV cache is the rest. An MoE model's experts are split over the replica's ranks
+  either way (vLLM TP shards each expert, ``enable_expert_parallel`` gives each rank
+  experts / TP whole ones): the same bytes per rank. Asleep it holds nothing on the device (level 1 keeps a
   host copy of the weights, level 2 nothing). Outside every count, a reserve per GPU: the CUDA
   context, NCCL buffers per communicator in use, and allocator fragmentation
   (``reserve_parts``). Rollout time: decode is memory-bound, so a step reads the weight shard
   and the batch's KV once per generated token (``rollout_seconds``).
+
+Each model is planned from its own config: the critic's (``critic.model``, a preset or an HF
+directory, ``planning/presets.py::critic_model_config``) may be another size or family than
+the policy's; the weight sync, vLLM and the policy's logits read the policy's.
 
 Training state and offload: with ``rollout.offload_training_state`` (``offload="rollout"``) the
 trainer moves both models' params and Adam state to the host and drops their grads before vLLM
@@ -62,46 +73,31 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import Head, HFModelConfig
-from vapo_megatron.models.logprobs import LOGPROB_CHUNK_TOKENS
-from vapo_megatron.planning.params import (
-    shard_param_count,
-    shard_tensor_numels,
-    total_param_count,
+from vapo_megatron.planning.activations import activation_bytes
+from vapo_megatron.planning.host import (
+    VLLM_CUDA_GRAPHS,
+    VLLM_RUNTIME_POOL,
+    Models,
+    PinnedPart,
+    distributed_optimizer,
+    pinned_parts,
 )
+from vapo_megatron.planning.params import shard_param_split, total_param_count
 from vapo_megatron.planning.presets import GPUSpec
-from vapo_megatron.planning.workload import (
-    GIB,
-    Workload,
-)
+from vapo_megatron.planning.workload import GIB, Workload
 
 VLLM_OVERHEAD = int(1.5 * GIB)
 """vLLM's non-KV memory besides weights and CUDA graphs on one GPU: activations of its profile
 run, sampler (an estimate; vLLM measures it at start)."""
-VLLM_CUDA_GRAPHS = 1 * GIB
-"""vLLM's CUDA-graph pool without enforce_eager (an estimate; counted inside its budget)."""
-VLLM_RUNTIME_POOL = 256 << 20
-"""vLLM's "runtime" cuMem pool (state built with the KV cache: input batch, block tables,
-attention metadata buffers; an estimate). Inside VLLM_OVERHEAD while awake; on the host while
-asleep, back on the device from the weights' wake."""
-PINNED_ROUNDING_UNKNOWN = 1.5
-"""Pinned bytes per byte asked where the block sizes are not known: torch's caching host
-allocator rounds each block up to a power of two, 1/ln 2 = 1.44 times the size on average over
-sizes spread evenly on a log scale (an estimate)."""
 CUDA_CONTEXT = int(0.6 * GIB)
 """CUDA context and kernels' modules per process (an estimate)."""
 NCCL_PER_COMMUNICATOR = GIB // 4
 """Buffers of one NCCL communicator (channels x peers x NCCL_BUFFSIZE; an estimate)."""
 DECODE_EFFICIENCY = 0.5
 """Share of the HBM bandwidth a decode step reaches (an estimate)."""
-LOGIT_BYTES = 4
-"""Bytes per logit element of the policy's log-probs: bf16 logits kept + bf16 gradient
-(measured on CPU, tests/unit/models/test_logprobs_chunked.py)."""
-LOGIT_CHUNK_BYTES = 16
-"""fp32 temporaries per element of one log-prob chunk (measured on CPU, same test)."""
 SYNC_BUCKET = 256 << 20
 """rollout.weight_bucket_bytes default: extra memory of one weight-sync message."""
 
@@ -119,16 +115,6 @@ class ModelMemory:
     @property
     def state(self) -> int:
         return self.params + self.grads + self.optimizer
-
-
-@dataclass(frozen=True, kw_only=True)
-class PinnedPart:
-    """Pinned host memory one GPU's rank holds for one purpose."""
-
-    nbytes: int
-    label: Literal["exact", "estimated"]
-    what: str
-    """What holds it and why the figure is what it is (one line)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,7 +165,9 @@ class Plan:
         """Estimated generation time of one step: each replica decodes its share of the
         step's responses, ``concurrent`` at a time (as many mean-length sequences as the KV
         cache holds), each decode step reading the rank's weight shard and the batch's KV
-        (half the mean length on average) at DECODE_EFFICIENCY of the HBM bandwidth."""
+        (half the mean length on average) at DECODE_EFFICIENCY of the HBM bandwidth. An MoE
+        model's decode reads only the routed experts' weights per token, but a batch of
+        concurrent sequences routes to nearly every expert: the whole shard is read."""
         work = self.workload
         replicas = work.world_size // work.rollout_tp
         per_replica = work.samples_per_step / replicas
@@ -208,7 +196,8 @@ def layout_problems(hf: HFModelConfig, layout: ModelLayout, world_size: int) -> 
 
     problems = []
     for check in (lambda: layout.check(hf), lambda: layout_sizes(
-            tp=layout.tp, pp=layout.pp, cp=layout.cp, world_size=world_size)):  # fmt: skip
+            tp=layout.tp, pp=layout.pp, cp=layout.cp, world_size=world_size, ep=layout.ep,
+            etp=layout.etp)):  # fmt: skip
         try:
             check()
         except ValueError as err:
@@ -229,67 +218,42 @@ def rollout_tp_problems(hf: HFModelConfig, rollout_tp: int, world_size: int) -> 
     return []
 
 
-def distributed_optimizer(work: Workload, head: Head) -> bool:
-    """Whether the model with ``head`` shards its Adam state (the critic's own setting)."""
-    if head == "value" and work.critic_distributed_optimizer is not None:
-        return work.critic_distributed_optimizer
-    return work.distributed_optimizer
+def context_problems(hf: HFModelConfig, work: Workload) -> list[str]:
+    """The model's context must hold the longest prompt and response (vLLM's max_model_len
+    and the critic's check, issue 28)."""
+    if work.sequence_len <= hf.max_position_embeddings:
+        return []
+    return [
+        f"max_position_embeddings={hf.max_position_embeddings} is shorter than the longest "
+        f"prompt + response ({work.prompt_len} + {work.response_len} = {work.sequence_len} "
+        "tokens); lower data.max_prompt_tokens or rollout.max_new_tokens, or take a model with "
+        "a longer context"
+    ]
 
 
 def stage_state(
     hf: HFModelConfig, layout: ModelLayout, work: Workload, *, head: Head, pp_rank: int
 ) -> ModelMemory:
     """Params, grads and Adam bytes of one rank at ``pp_rank`` (activations 0): exact counts
-    times byte sizes (module doc); ``planning/dry_run.py`` sets them beside the built objects'."""
-    params = shard_param_count(hf, layout, head=head, pp_rank=pp_rank)
+    times byte sizes (module doc); ``planning/dry_run.py`` sets them beside the built objects'.
+    Adam: dense parameters sharded over DP x CP, expert ones over expert DP."""
+    dense, expert = shard_param_split(hf, layout, head=head, pp_rank=pp_rank)
+    params = dense + expert
     param_bytes = 2 if work.bf16 else 4
     adam_bytes = 12 if work.bf16 else 8
-    shards = work.world_size // (layout.tp * layout.pp) if distributed_optimizer(work, head) else 1
+    dense_shards = expert_shards = 1
+    if distributed_optimizer(work, head):
+        dense_shards = work.world_size // (layout.tp * layout.pp)
+        expert_shards = work.world_size // (layout.expert_tp * layout.ep * layout.pp)
     grad_bytes = 4 if work.grad_reduce_in_fp32 or not work.bf16 else 2
+    optimizer = math.ceil(dense * adam_bytes / dense_shards)
+    optimizer += math.ceil(expert * adam_bytes / expert_shards)
     return ModelMemory(
         params=params * param_bytes,
         grads=params * grad_bytes,
-        optimizer=math.ceil(params * adam_bytes / shards),
+        optimizer=optimizer,
         activations=0,
     )
-
-
-def tp_replicated_param_count(
-    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int
-) -> int:
-    """Parameters every TP rank of a stage holds whole: the RMSNorm weights (and the value
-    head). A checkpoint stores them once, from TP rank 0."""
-    count = 2 * hf.hidden_size * hf.num_layers // layout.pp
-    if pp_rank == layout.pp - 1:
-        count += hf.hidden_size * (2 if head == "value" else 1)  # final norm, value head
-    return count
-
-
-def checkpoint_bytes(
-    hf: HFModelConfig,
-    layout: ModelLayout,
-    work: Workload,
-    *,
-    head: Head,
-    pp_rank: int,
-    tp_rank: int = 0,
-) -> int:
-    """Tensor bytes one rank writes to a training checkpoint: its stage's weights and Adam
-    state split evenly over the DP x CP ranks, as megatron's fully parallel save balances
-    them (the distributed optimizer's shards are split so already); weights replicated over
-    TP (norms) only from TP rank 0, and with the plain optimizer their Adam state too (the
-    distributed optimizer saves each TP rank's buckets whole). Per parameter: the weight, two fp32 moments and an fp32 main
-    copy, except with fp32 weights and the plain optimizer (its main copy is the weight);
-    the distributed optimizer saves its main copy even in fp32."""
-    params = shard_param_count(hf, layout, head=head, pp_rank=pp_rank)
-    sharded = distributed_optimizer(work, head)
-    weight = 2 if work.bf16 else 4
-    per_param = weight + 8 + (4 if work.bf16 or sharded else 0)
-    total = params * per_param
-    if tp_rank > 0:  # the distributed optimizer's buckets are per TP rank, norms included
-        replicated = tp_replicated_param_count(hf, layout, head=head, pp_rank=pp_rank)
-        total -= replicated * (weight if sharded else per_param)
-    return math.ceil(total / (work.world_size // (layout.tp * layout.pp)))
 
 
 def model_memory(
@@ -301,125 +265,21 @@ def model_memory(
     return replace(largest, activations=activation_bytes(hf, layout, work, head=head))
 
 
-def activation_bytes(hf: HFModelConfig, layout: ModelLayout, work: Workload, *, head: Head) -> int:
-    """Bytes saved for backward on the first stage during one model's update (module doc)."""
-    tp, cp, pp = layout.tp, layout.cp, layout.pp
-    h, f = hf.hidden_size, hf.intermediate_size
-    q = hf.num_attention_heads * hf.head_dim
-    kv = hf.num_key_value_heads * hf.head_dim
-    tokens = math.ceil(max(work.micro_batch_tokens, work.sequence_len) / cp)
-    sharded = q + 2 * kv * cp + q + 3 * f  # q, k, v (+ CP ring copies), attn out, fc1 out, fc2 in
-    replicated = 4 * h  # norm inputs and projection inputs
-    if layout.sequence_parallel:
-        per_token_layer = 2 * (sharded + replicated) / tp
-    else:
-        per_token_layer = 2 * (sharded / tp + replicated)
-    layer = per_token_layer * tokens
-    layer_input = tokens * 2 * h / (tp if layout.sequence_parallel else 1)
-    in_flight = 1.0 if pp == 1 else 1.0 + ((pp - 1) / (pp * layout.vpp) if layout.vpp else 0.0)
-    granularity, method, num_layers = (
-        work.policy_recompute if head == "lm" else work.critic_recompute
-    )
-    stage_layers = hf.num_layers // pp
-    live = layer  # the layer whose backward is running
-    if granularity != "full":
-        stage = stage_layers * layer
-    elif method == "uniform":
-        stage = math.ceil(stage_layers / num_layers) * layer_input
-        live = num_layers * layer  # one recomputed group at a time
-    else:  # block: the first num_layers of the stage recomputed, the rest stored
-        recomputed = min(num_layers, stage_layers)
-        stage = recomputed * layer_input + (stage_layers - recomputed) * layer
-    total = stage * pp * in_flight + live
-    if head == "lm":
-        vocab_local = hf.padded_vocab_size(tp) // tp
-        total += tokens * vocab_local * LOGIT_BYTES
-        total += min(tokens, LOGPROB_CHUNK_TOKENS) * vocab_local * LOGIT_CHUNK_BYTES
-    return math.ceil(total)
-
-
-def pinned_block(nbytes: int) -> int:
-    """Bytes torch's caching host allocator pins for one request of ``nbytes`` (torch 2.13
-    with default settings: the next power of two; ``ATen/core/CachingHostAllocator.h``)."""
-    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
-
-
-def pinned_rounding(nbytes: list[int]) -> float:
-    """Pinned bytes per byte asked when each of ``nbytes`` is asked for on its own."""
-    return sum(pinned_block(n) for n in nbytes) / sum(nbytes)
-
-
-def checkpoint_staging_bytes(
-    hf: HFModelConfig, layouts: dict[Head, ModelLayout], work: Workload
-) -> int:
-    """Pinned bytes megatron's save stages per GPU (estimated, module doc): each model's
-    largest per-rank share (:func:`checkpoint_bytes`), rounded as its stage's tensors round
-    (fp32 state has the weights' shapes at twice the bytes: the same factor); both models at
-    once when async, else the larger (a sync save reuses the cached blocks part after part)."""
-    shares = []
-    for head, layout in layouts.items():
-        per_stage = []
-        for pp_rank in range(layout.pp):
-            tensors = shard_tensor_numels(hf, layout, head=head, pp_rank=pp_rank)
-            share = checkpoint_bytes(hf, layout, work, head=head, pp_rank=pp_rank)
-            per_stage.append(share * pinned_rounding([2 * n for n in tensors]))
-        shares.append(max(per_stage))
-    return math.ceil(sum(shares) if work.checkpoint_async else max(shares))
-
-
-def pinned_parts(
-    hf: HFModelConfig,
-    policy: ModelLayout,
-    critic: ModelLayout | None,
-    work: Workload,
-    models: list[ModelMemory],
-) -> dict[str, PinnedPart]:
-    """Pinned host memory one GPU's rank holds, by part (module doc); ``models`` are the
-    per-GPU states of the policy and the critic."""
-    parts = {}
-    if work.offload == "rollout":
-        parts["training_state"] = PinnedPart(
-            nbytes=sum(m.params + m.optimizer for m in models), label="exact",
-            what="offloaded params + Adam state while vLLM is awake (grads dropped; one arena "
-            "of exactly this size)",
-        )  # fmt: skip
-    layouts: dict[Head, ModelLayout] = {"lm": policy}
-    if critic is not None:
-        layouts["value"] = critic
-    staged = "both models: async" if work.checkpoint_async else "the larger model: sync"
-    parts["checkpoint_staging"] = PinnedPart(
-        nbytes=checkpoint_staging_bytes(hf, layouts, work), label="estimated",
-        what=f"megatron's save staging ({staged}), power-of-two blocks kept cached by torch",
-    )  # fmt: skip
-    if work.sleep_level == 1:
-        vllm_layout = ModelLayout(tp=work.rollout_tp)
-        tensors = shard_tensor_numels(hf, vllm_layout, head="lm", pp_rank=0)
-        parts["vllm_weights"] = PinnedPart(
-            nbytes=sum(pinned_block(2 * n) for n in tensors), label="estimated",
-            what="vLLM level-1 sleep: its bf16 weight shard, each tensor a power-of-two block",
-        )  # fmt: skip
-    if not work.enforce_eager:
-        parts["vllm_cuda_graphs"] = PinnedPart(
-            nbytes=math.ceil(VLLM_CUDA_GRAPHS * PINNED_ROUNDING_UNKNOWN), label="estimated",
-            what="vLLM sleep: its CUDA-graph pool (sleep_mode_offload_cudagraph)",
-        )  # fmt: skip
-    parts["vllm_runtime"] = PinnedPart(
-        nbytes=math.ceil(VLLM_RUNTIME_POOL * PINNED_ROUNDING_UNKNOWN), label="estimated",
-        what="vLLM sleep: its runtime pool (input batch, block tables)",
-    )  # fmt: skip
-    return parts
-
-
 def reserve_parts(
     policy: ModelLayout, critic: ModelLayout | None, work: Workload
 ) -> dict[str, int]:
     """The per-GPU memory no tensor count sees, by part (estimates): the CUDA context, NCCL
     buffers of each communicator a rank uses (per model TP, CP, DP x CP and model-parallel
-    when larger than 1, PP p2p; the world; vLLM's TP group and its world), fragmentation."""
+    when larger than 1, PP p2p, EP and expert DP (and expert TP when it is not TP) under expert
+    parallelism; the world; vLLM's TP group and its world), fragmentation."""
     communicators = 2  # the world (barriers, broadcasts) and vLLM's world
     for layout in (lay for lay in (policy, critic) if lay is not None):
-        sizes = (layout.tp, layout.cp, work.world_size // (layout.tp * layout.pp),
-                 layout.tp * layout.pp, layout.pp)  # fmt: skip
+        sizes = [layout.tp, layout.cp, work.world_size // (layout.tp * layout.pp),
+                 layout.tp * layout.pp, layout.pp]  # fmt: skip
+        if layout.ep > 1:
+            etp = layout.expert_tp
+            sizes += [layout.ep, work.world_size // (etp * layout.ep * layout.pp)]
+            sizes += [etp] if etp != layout.tp else []
         communicators += sum(1 for size in sizes if size > 1)
     communicators += work.rollout_tp > 1
     return {
@@ -429,29 +289,41 @@ def reserve_parts(
     }
 
 
+def check_models(models: Models, work: Workload) -> list[str]:
+    """Each model's layout and context problems, then vLLM's (the policy's model)."""
+    problems = []
+    for head, (hf, layout) in models.items():
+        role = "policy" if head == "lm" else "critic"
+        problems += [f"{role}: {p}" for p in layout_problems(hf, layout, work.world_size)]
+        problems += [f"{role}: {p}" for p in context_problems(hf, work)]
+    return problems + rollout_tp_problems(models["lm"][0], work.rollout_tp, work.world_size)
+
+
 def plan(
     hf: HFModelConfig,
     gpu: GPUSpec,
     policy: ModelLayout,
     critic: ModelLayout | None,
     work: Workload,
+    *,
+    critic_hf: HFModelConfig | None = None,
 ) -> Plan:
-    """Per-phase per-GPU memory of this layout pair; ``problems`` says what does not fit."""
-    problems = [f"policy: {p}" for p in layout_problems(hf, policy, work.world_size)]
+    """Per-phase per-GPU memory of this layout pair; ``problems`` says what does not fit.
+    ``critic_hf``: the critic's own model (None: the policy's)."""
+    models: Models = {"lm": (hf, policy)}
     if critic is not None:
-        problems += [f"critic: {p}" for p in layout_problems(hf, critic, work.world_size)]
-    problems += rollout_tp_problems(hf, work.rollout_tp, work.world_size)
+        models["value"] = (critic_hf or hf, critic)
+    problems = check_models(models, work)
     if problems:  # the memory of a layout that cannot be built means nothing
         empty = ModelMemory(params=0, grads=0, optimizer=0, activations=0)
         return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, policy_memory=empty,
                     critic_memory=None, phases={}, vllm_weights=0, kv_cache=0,
                     kv_bytes_per_token=1, problems=problems, reserve={}, pinned={})  # fmt: skip
-    pol = model_memory(hf, policy, work, head="lm")
-    cri = model_memory(hf, critic, work, head="value") if critic is not None else None
-    models = [m for m in (pol, cri) if m is not None]
-    resident = sum(m.state for m in models)
+    memory = {head: model_memory(m, lay, work, head=head) for head, (m, lay) in models.items()}
+    pol, cri = memory["lm"], memory.get("value")
+    resident = sum(m.state for m in memory.values())
     if work.offload == "optimizer":
-        resident -= sum(m.optimizer for m in models)
+        resident -= sum(m.optimizer for m in memory.values())
     during_rollout, during_sync = resident, resident
     if work.offload == "rollout":  # all off while vLLM is awake; the sync reads policy params
         during_rollout, during_sync = 0, pol.params
@@ -474,13 +346,7 @@ def plan(
         phases["critic_update"] = resident + cri.activations
     reserve = reserve_parts(policy, critic, work)
     phases = {name: b + sum(reserve.values()) for name, b in phases.items()}
-    for name, need in phases.items():
-        if need + work.min_headroom_bytes > gpu.memory_bytes:
-            problems.append(
-                f"{name} needs {need / GIB:.1f} GiB per GPU, leaving "
-                f"{(gpu.memory_bytes - need) / GIB:.1f} of the {gpu.memory_bytes / GIB:.1f} GiB "
-                f"of a {gpu.name}; {work.min_headroom_bytes / GIB:.0f} GiB of headroom wanted"
-            )
+    problems = memory_problems(phases, gpu, work)
     if kv_cache < kv_per_token * work.sequence_len:
         problems.append(
             f"vLLM at TP {work.rollout_tp} with gpu_memory_utilization="
@@ -488,19 +354,40 @@ def plan(
             f"per GPU, less than one {work.sequence_len}-token sequence "
             f"({kv_per_token * work.sequence_len / GIB:.2f} GiB); raise the utilization or vLLM TP"
         )
+    state = sum(m.params + m.optimizer for m in memory.values())
     return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, policy_memory=pol,
                 critic_memory=cri, phases=phases, vllm_weights=vllm_weights,
                 kv_cache=max(kv_cache, 0), kv_bytes_per_token=kv_per_token,
                 problems=problems, reserve=reserve,
-                pinned=pinned_parts(hf, policy, critic, work, models))  # fmt: skip
+                pinned=pinned_parts(models, work, state))  # fmt: skip
+
+
+def memory_problems(phases: dict[str, int], gpu: GPUSpec, work: Workload) -> list[str]:
+    """Each phase that leaves less than the headroom wanted."""
+    problems = []
+    for name, need in phases.items():
+        if need + work.min_headroom_bytes > gpu.memory_bytes:
+            problems.append(
+                f"{name} needs {need / GIB:.1f} GiB per GPU, leaving "
+                f"{(gpu.memory_bytes - need) / GIB:.1f} of the {gpu.memory_bytes / GIB:.1f} GiB "
+                f"of a {gpu.name}; {work.min_headroom_bytes / GIB:.0f} GiB of headroom wanted"
+            )
+    return problems
 
 
 def max_vllm_utilization(
-    hf: HFModelConfig, gpu: GPUSpec, policy: ModelLayout, critic: ModelLayout | None, work: Workload
+    hf: HFModelConfig,
+    gpu: GPUSpec,
+    policy: ModelLayout,
+    critic: ModelLayout | None,
+    work: Workload,
+    *,
+    critic_hf: HFModelConfig | None = None,
 ) -> float:
     """The largest gpu_memory_utilization (two decimals, at most 0.9) whose rollout phase fits
     beside the training state with the headroom left; 0 when none does."""
-    probe = plan(hf, gpu, policy, critic, replace(work, gpu_memory_utilization=0.0))
+    probe = plan(hf, gpu, policy, critic, replace(work, gpu_memory_utilization=0.0),
+                 critic_hf=critic_hf)  # fmt: skip
     if not probe.phases:
         return 0.0
     free = gpu.memory_bytes - work.min_headroom_bytes - probe.phases["rollout"]
@@ -511,17 +398,22 @@ def candidate_layouts(
     hf: HFModelConfig, world_size: int, gpus_per_node: int
 ) -> Iterator[ModelLayout]:
     """Layouts to try, best first: fewest model-parallel ranks (most DP, least communication),
-    then TP inside a node before CP, CP before PP (no pipeline bubbles with variable-length RL
-    batches); TP never crosses a node."""
+    then (MoE) the smallest EP (least all-to-all), TP inside a node before CP, CP before PP
+    (no pipeline bubbles with variable-length RL batches); TP never crosses a node. Expert TP
+    stays TP's (megatron's default)."""
     powers = [2**i for i in range(8)]
+    eps = [e for e in powers if hf.num_experts % e == 0] if hf.is_moe else [1]
     options = []
     for tp in (t for t in powers if t <= gpus_per_node):
         for cp in powers[:5]:
             for pp in (p for p in powers[:5] if hf.num_layers % p == 0):
-                layout = ModelLayout(tp=tp, pp=pp, cp=cp, sequence_parallel=tp > 1)
-                if not layout_problems(hf, layout, world_size):
-                    options.append(layout)
-    yield from sorted(options, key=lambda lay: (lay.tp * lay.pp * lay.cp, -lay.tp, lay.pp, lay.cp))
+                for ep in eps:
+                    layout = ModelLayout(tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=tp > 1)
+                    if not layout_problems(hf, layout, world_size):
+                        options.append(layout)
+    yield from sorted(
+        options, key=lambda lay: (lay.tp * lay.pp * lay.cp, lay.ep, -lay.tp, lay.pp, lay.cp)
+    )
 
 
 def propose(
@@ -531,16 +423,46 @@ def propose(
     *,
     gpus_per_node: int,
     min_concurrent: float = 4.0,
+    critic_hf: HFModelConfig | None = None,
 ) -> Plan | None:
-    """The first candidate layout (same for policy and critic) that fits, with the smallest
-    vLLM TP whose replica holds ``min_concurrent`` full-length sequences at the largest
-    gpu_memory_utilization that fits; None when nothing fits."""
-    for layout in candidate_layouts(hf, work.world_size, gpus_per_node):
-        critic = layout if work.uses_critic else None
-        util = max_vllm_utilization(hf, gpu, layout, critic, work)
+    """The first pair of candidate layouts that fits, with the smallest vLLM TP whose replica
+    holds ``min_concurrent`` full-length sequences at the largest gpu_memory_utilization that
+    fits; None when nothing fits. One model for both (``critic_hf`` None): one layout for
+    both; a critic of its own: the critic's layouts are searched for each policy layout."""
+    for layout, critic in layout_pairs(hf, gpu, work, gpus_per_node, critic_hf):
+        util = max_vllm_utilization(hf, gpu, layout, critic, work, critic_hf=critic_hf)
         for rollout_tp in (t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node):
             trial = replace(work, rollout_tp=rollout_tp, gpu_memory_utilization=util)
-            result = plan(hf, gpu, layout, critic, trial)
+            result = plan(hf, gpu, layout, critic, trial, critic_hf=critic_hf)
             if result.fits and result.concurrent_sequences >= min_concurrent:
                 return result
     return None
+
+
+def layout_pairs(
+    hf: HFModelConfig,
+    gpu: GPUSpec,
+    work: Workload,
+    gpus_per_node: int,
+    critic_hf: HFModelConfig | None,
+) -> Iterator[tuple[ModelLayout, ModelLayout | None]]:
+    """(policy, critic) layouts to try, best first (``propose``). With a critic of its own, a
+    policy layout whose update does not fit even beside no critic is skipped, and so is each
+    pair whose updates do not fit with vLLM asleep."""
+    for layout in candidate_layouts(hf, work.world_size, gpus_per_node):
+        if not work.uses_critic or critic_hf is None:
+            yield layout, layout if work.uses_critic else None
+            continue
+        idle = replace(work, gpu_memory_utilization=0.0)
+        if not updates_fit(plan(hf, gpu, layout, None, idle)):
+            continue
+        for critic in candidate_layouts(critic_hf, work.world_size, gpus_per_node):
+            if updates_fit(plan(hf, gpu, layout, critic, idle, critic_hf=critic_hf)):
+                yield layout, critic
+
+
+def updates_fit(result: Plan) -> bool:
+    """Whether the plan's layouts are valid and its update phases leave the headroom."""
+    return bool(result.phases) and not any(
+        p.startswith(("policy_update", "critic_update")) for p in result.problems
+    )

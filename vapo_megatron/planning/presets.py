@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vapo_megatron.models.config import HFModelConfig
+
+if TYPE_CHECKING:  # only read: planning a recipe needs no config code at import
+    from vapo_megatron.config.train import TrainConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +39,21 @@ def _qwen2(**kw: object) -> dict[str, object]:
     return {**base, **kw}
 
 
+def _qwen3(**kw: object) -> dict[str, object]:
+    base = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936,
+            "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1e6,
+            "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16"}  # fmt: skip
+    return {**base, **kw}
+
+
+def _qwen3_moe(**kw: object) -> dict[str, object]:
+    moe = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+           "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+           "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
+    return _qwen3(**moe, **kw)
+
+
 MODEL_PRESETS: dict[str, dict[str, object]] = {
     "qwen2.5-7b": _qwen2(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                          num_attention_heads=28, num_key_value_heads=4),
@@ -42,6 +61,23 @@ MODEL_PRESETS: dict[str, dict[str, object]] = {
                           num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5),
     "qwen2.5-72b": _qwen2(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
                           num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5),
+    # nvidia/AceMath-7B-RM's config.json: Qwen2.5-Math-7B's shapes (those of Qwen2.5-7B) with
+    # its 4096-token context and RoPE base 1e4, and a one-label score head.
+    "acemath-7b-rm": _qwen2(architectures=["Qwen2ForSequenceClassification"], hidden_size=3584,
+                            intermediate_size=18944, num_hidden_layers=28,
+                            num_attention_heads=28, num_key_value_heads=4,
+                            max_position_embeddings=4096, rope_theta=1e4),
+    # Qwen/Qwen3-32B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B config.json (read on the HF Hub
+    # through the project's search tool; the MoE values agree with slime's
+    # scripts/models/qwen3-*.sh and Megatron-Bridge's Qwen3-MoE recipes).
+    "qwen3-32b": _qwen3(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                        num_attention_heads=64, num_key_value_heads=8),
+    "qwen3-30b-a3b": _qwen3_moe(hidden_size=2048, intermediate_size=6144,
+                                moe_intermediate_size=768, num_hidden_layers=48,
+                                num_attention_heads=32, num_key_value_heads=4),
+    "qwen3-235b-a22b": _qwen3_moe(hidden_size=4096, intermediate_size=12288,
+                                  moe_intermediate_size=1536, num_hidden_layers=94,
+                                  num_attention_heads=64, num_key_value_heads=4),
     "llama-3.1-70b": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
         "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
@@ -69,3 +105,18 @@ def read_model_config(spec: str | None, model_path: str) -> tuple[str, HFModelCo
             "HF config.json; pass --model PRESET when the checkpoint is not on this machine"
         )
     return str(path), HFModelConfig.from_hf(json.loads(path.read_text()))
+
+
+def read_critic_config(
+    spec: str | None, config: TrainConfig | None
+) -> tuple[str, HFModelConfig] | None:
+    """The critic's own model: ``spec`` (a preset, an HF config.json or its directory), else
+    the recipe's critic.model (``weights/critic.py::critic_model_config``, presets allowed);
+    None: the critic is the policy's model."""
+    if spec is not None:
+        return read_model_config(spec, spec)
+    if config is None or not config.critic.model or not config.algorithm.uses_critic:
+        return None
+    from vapo_megatron.weights.critic import critic_model_config
+
+    return config.critic.model, critic_model_config(config, MODEL_PRESETS)

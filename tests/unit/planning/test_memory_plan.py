@@ -21,6 +21,7 @@ import pytest
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.logprobs import LOGPROB_CHUNK_TOKENS
+from vapo_megatron.planning import host
 from vapo_megatron.planning import memory as mp
 from vapo_megatron.planning.params import shard_param_count, total_param_count
 from vapo_megatron.planning.plan_report import format_plan, plan_summary
@@ -92,6 +93,10 @@ def test_shard_counts_equal_megatron_builds(tmp_path: Path) -> None:
         ("qwen2.5-32b", 32.76),
         ("qwen2.5-72b", 72.71),
         ("llama-3.1-70b", 70.55),
+        ("acemath-7b-rm", 7.62),  # Qwen2.5-Math-7B's shapes
+        ("qwen3-32b", 32.76),  # the model card: 32.8B
+        ("qwen3-30b-a3b", 30.53),  # 30.5B
+        ("qwen3-235b-a22b", 235.09),  # 235B
     ],
 )
 def test_presets_have_the_published_sizes(name: str, billions: float) -> None:
@@ -194,7 +199,7 @@ def test_what_the_trainer_keeps_is_counted() -> None:
     assert off.phases["policy_update"] == base.phases["policy_update"]
     # CUDA graphs come out of vLLM's budget; eager mode leaves them to the KV cache.
     eager = mp.plan(model, gpu, PAPER, PAPER, replace(work, enforce_eager=True))
-    assert eager.kv_cache - base.kv_cache == mp.VLLM_CUDA_GRAPHS
+    assert eager.kv_cache - base.kv_cache == host.VLLM_CUDA_GRAPHS
     summary = plan_summary(base)
     assert summary["layout"]["policy"]["dp"] == 8 and summary["layout"]["rollout_tp"] == 4
     assert summary["headroom_gib"] == round(base.headroom / GIB, 2)
@@ -203,8 +208,8 @@ def test_what_the_trainer_keeps_is_counted() -> None:
 
 @pytest.mark.unit
 def test_pinned_blocks_round_up_to_powers_of_two() -> None:
-    assert [mp.pinned_block(n) for n in (0, 1, 3, 4, 5, 3 << 30)] == [0, 1, 4, 4, 8, 4 << 30]
-    assert mp.pinned_rounding([3, 4]) == 8 / 7
+    assert [host.pinned_block(n) for n in (0, 1, 3, 4, 5, 3 << 30)] == [0, 1, 4, 4, 8, 4 << 30]
+    assert host.pinned_rounding([3, 4]) == 8 / 7
 
 
 @pytest.mark.unit
@@ -229,7 +234,7 @@ def test_pinned_host_memory_counts_every_part() -> None:
     assert 25 * GIB < base.host_bytes < 35 * GIB  # was "51 GiB [exact]" with grads
     # Staging: each model's per-rank checkpoint share, power-of-two rounded (1 to 2x); a sync
     # save reuses the blocks model after model, an async one stages both at once.
-    shares = [mp.checkpoint_bytes(model, PAPER, work, head=h, pp_rank=0) for h in ("lm", "value")]
+    shares = [host.checkpoint_bytes(model, PAPER, work, head=h, pp_rank=0) for h in ("lm", "value")]
     sync = parts["checkpoint_staging"].nbytes
     assert max(shares) < sync < 2 * max(shares)
     async_ = mp.plan(model, gpu, PAPER, PAPER, replace(work, checkpoint_async=True))
@@ -240,7 +245,7 @@ def test_pinned_host_memory_counts_every_part() -> None:
     eager = mp.plan(model, gpu, PAPER, PAPER, replace(work, enforce_eager=True))
     assert "vllm_cuda_graphs" not in eager.pinned
     # The weights' wake brings the graph pool back: the sync holds it, the updates do not.
-    assert base.phases["weight_sync"] - eager.phases["weight_sync"] == mp.VLLM_CUDA_GRAPHS
+    assert base.phases["weight_sync"] - eager.phases["weight_sync"] == host.VLLM_CUDA_GRAPHS
     assert base.phases["policy_update"] == eager.phases["policy_update"]
     resident = mp.plan(model, gpu, PAPER, PAPER, replace(work, offload="none"))
     assert "training_state" not in resident.pinned
@@ -300,18 +305,18 @@ def test_checkpoint_bytes_per_rank_and_the_critics_own_optimizer() -> None:
     model = hf("qwen2.5-32b")
     work = paper_workload()
     params = shard_param_count(model, PAPER, head="lm", pp_rank=0)
-    norms = mp.tp_replicated_param_count(model, PAPER, head="lm", pp_rank=0)
+    norms = host.tp_replicated_param_count(model, PAPER, head="lm", pp_rank=0)
     assert norms == (2 * 64 + 1) * 5120
-    first = mp.checkpoint_bytes(model, PAPER, work, head="lm", pp_rank=0, tp_rank=0)
+    first = host.checkpoint_bytes(model, PAPER, work, head="lm", pp_rank=0, tp_rank=0)
     assert first == math.ceil(params * 14 / 16)
-    other = mp.checkpoint_bytes(model, PAPER, work, head="lm", pp_rank=0, tp_rank=1)
+    other = host.checkpoint_bytes(model, PAPER, work, head="lm", pp_rank=0, tp_rank=1)
     assert other == math.ceil((params * 14 - norms * 2) / 16)
     fp32 = replace(work, bf16=False)
-    assert mp.checkpoint_bytes(model, PAPER, fp32, head="lm", pp_rank=0) == math.ceil(
+    assert host.checkpoint_bytes(model, PAPER, fp32, head="lm", pp_rank=0) == math.ceil(
         params * 16 / 16
     )
     plain = replace(fp32, distributed_optimizer=False)
-    assert mp.checkpoint_bytes(model, PAPER, plain, head="lm", pp_rank=0) == math.ceil(
+    assert host.checkpoint_bytes(model, PAPER, plain, head="lm", pp_rank=0) == math.ceil(
         params * 12 / 16
     )
     critic_plain = replace(work, critic_distributed_optimizer=False)
