@@ -122,13 +122,21 @@ def initialize_cpu_process_group() -> None:
 
 
 def initialize_megatron_cpu(
-    tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None, seed: int = 1234
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: int | None = None,
+    seed: int = 1234,
+    *,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> ParallelGroups:
     """Set up megatron-core's parallel state on CPU for this rank and return its groups.
 
     Starts the gloo process group (:func:`initialize_cpu_process_group`), initialises
     ``parallel_state`` with the given tensor/pipeline/context/virtual-pipeline sizes (data
-    parallelism takes the remaining ranks) and seeds Megatron's RNG tracker. Calling it again
+    parallelism takes the remaining ranks) and expert-parallel / expert-TP sizes (``etp``
+    None: TP, megatron's default), and seeds Megatron's RNG tracker. Calling it again
     switches to the new layout and keeps the process group, so one launch can compare several
     layouts.
     """
@@ -145,6 +153,8 @@ def initialize_megatron_cpu(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ParallelGroups.from_parallel_state()
