@@ -53,6 +53,7 @@ from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.devices import HOST, building_on
 from vapo_megatron.planning import memory as mp
+from vapo_megatron.planning.host import checkpoint_bytes
 from vapo_megatron.planning.params import shard_param_count
 from vapo_megatron.planning.workload import planner_workload
 from vapo_megatron.step.rollout import replica_share
@@ -175,13 +176,15 @@ class _Built:
     engines: dict[str, Any]
 
 
-def _build(config: TrainConfig, hf: HFModelConfig, roles: Sequence[str]) -> _Built:
-    """The trainer's own construction, as ``Session`` does it, of ``roles``' engines."""
+def _build(config: TrainConfig, models: dict[str, HFModelConfig], roles: Sequence[str]) -> _Built:
+    """The trainer's own construction, as ``Session`` does it, of ``roles``' engines, each of
+    its own model (``models``: role -> config; the critic's is critic.model's)."""
     from vapo_megatron.trainer.session import build_engine, build_groups
 
     world_size = dist.get_world_size()
     config.check(world_size)  # the real run's first refusal, with its message
-    for problem in mp.rollout_tp_problems(hf, config.rollout.tensor_parallel_size, world_size):
+    tp = config.rollout.tensor_parallel_size
+    for problem in mp.rollout_tp_problems(models["policy"], tp, world_size):
         raise ValueError(f"rollout.tensor_parallel_size: {problem}")
     # The real run's host group is gloo; here every group is fake, and nothing is exchanged.
     policy_groups, critic_groups = build_groups(config, dist.group.WORLD)
@@ -190,7 +193,7 @@ def _build(config: TrainConfig, hf: HFModelConfig, roles: Sequence[str]) -> _Bui
     engines = {}
     with on_meta():
         for role in roles:
-            engines[role] = build_engine(config, hf, role, groups[role], gpu=gpu)
+            engines[role] = build_engine(config, models[role], role, groups[role], gpu=gpu)
     return _Built(groups=groups, engines=engines)
 
 
@@ -369,10 +372,16 @@ def _data_share(config: TrainConfig, engine, counts: list[int], path: str) -> di
 
 
 def dry_run(
-    config: TrainConfig, hf: HFModelConfig, *, world_size: int, ranks: Sequence[int]
+    config: TrainConfig,
+    hf: HFModelConfig,
+    *,
+    world_size: int,
+    ranks: Sequence[int],
+    critic_hf: HFModelConfig | None = None,
 ) -> list[RankReport]:
-    """Stand in for each of ``ranks`` of a ``world_size``-rank job (module doc). ValueError
-    with the real run's message where the recipe cannot run at this size."""
+    """Stand in for each of ``ranks`` of a ``world_size``-rank job (module doc), the critic
+    built from ``critic_hf`` (critic.model's config; None: the policy's). ValueError with the
+    real run's message where the recipe cannot run at this size."""
     bad = [r for r in ranks if not 0 <= r < world_size]
     if bad or not ranks:
         raise ValueError(
@@ -383,13 +392,14 @@ def dry_run(
     roles = _roles(config)
     counts = synthetic_token_counts(config)
     work = planner_workload(config, world_size)
+    models = {"policy": hf, "critic": critic_hf or hf}
     peer_cache: dict[tuple[str, int], tuple[list, list]] = {}
 
     def peer_shards(role: str, rank: int) -> tuple[list, list]:
         if (role, rank) not in peer_cache:
             with stand_in_for(rank, world_size):
                 model_sd, optimizer_sd = _checkpoint_shards(
-                    _build(config, hf, [role]).engines[role]
+                    _build(config, models, [role]).engines[role]
                 )
                 peer_cache[role, rank] = (_shards(model_sd), _shards(optimizer_sd))
         return peer_cache[role, rank]
@@ -402,7 +412,7 @@ def dry_run(
                 if peer != rank:
                     peer_shards(role, peer)
         with stand_in_for(rank, world_size):
-            built = _build(config, hf, roles)
+            built = _build(config, models, roles)
             k = config.rollout.tensor_parallel_size
             replica = rank // k
             prompts = replica_share(config.algorithm.prompts_per_step, world_size // k, replica)
@@ -425,7 +435,7 @@ def dry_run(
                     "optimizer_bytes": _nbytes(optimizer), "optimizer_tensors": len(optimizer),
                     "group_tensors": sum(len(m) + len(o) for m, o in lists),
                 }  # fmt: skip
-                figures = _figures(role, engine, groups, checkpoint, hf=hf, work=work)
+                figures = _figures(role, engine, groups, checkpoint, hf=models[role], work=work)
                 data = _data_share(config, engine, counts, path)
                 report.models.append(ModelFigures(**figures, data=data))
             reports.append(report)
@@ -453,8 +463,8 @@ def _figures(
         "built": built,
         "planned": {
             "params": stage.params, "grads": stage.grads, "optimizer": stage.optimizer,
-            "checkpoint": mp.checkpoint_bytes(hf, layout, work, head=head, pp_rank=pp_rank,
-                                              tp_rank=groups.tp_rank),
+            "checkpoint": checkpoint_bytes(hf, layout, work, head=head, pp_rank=pp_rank,
+                                           tp_rank=groups.tp_rank),
         },
         "planned_param_count": shard_param_count(hf, layout, head=head, pp_rank=pp_rank),
         "checkpoint": checkpoint,
