@@ -4,6 +4,7 @@ run, with a ValueError naming the values and the fix. Also how the critic can be
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -96,27 +97,89 @@ def check_sampling(config: TrainConfig) -> None:
         )
 
 
+def critic_has_own_model(config: TrainConfig) -> bool:
+    """Whether critic.model names another model than the policy's (model.path)."""
+    model = config.critic.model
+    return model is not None and Path(model).resolve() != Path(config.model.path).resolve()
+
+
 def check_critic_init(config: TrainConfig) -> None:
-    """A critic started from a reward model is told where it is."""
+    """A critic started from a reward model is told where it is: critic.init_path, or
+    critic.model when that is the critic's own model."""
     algo, critic = config.algorithm, config.critic
     if (
         algo.uses_critic
         and algo.critic_init == "reward_model"
-        and not (critic.init_path or critic.pretrained)
+        and not (critic.init_path or critic.pretrained or critic_has_own_model(config))
     ):
         raise ValueError(
             "algorithm.critic_init=reward_model needs critic.init_path (a reward model: "
             "tools/convert.py hf-to-mcore --critic-from reward-model, or an HF "
-            "*ForSequenceClassification directory); set it, or set "
-            "algorithm.critic_init=policy to start the critic from the policy's weights"
+            "*ForSequenceClassification directory) or critic.model (a reward model's HF "
+            "directory); set one, or set algorithm.critic_init=policy to start the critic "
+            "from the policy's weights"
         )
+
+
+def check_critic_model_setting(config: TrainConfig) -> None:
+    """A critic of its own model cannot start from the policy's weights; the tiny reward
+    model is written at critic.model."""
+    algo, critic = config.algorithm, config.critic
+    if not algo.uses_critic:
+        return
+    own = critic_has_own_model(config)
+    if own and algo.critic_init == "policy":
+        raise ValueError(
+            f"algorithm.critic_init=policy starts the critic from the policy's weights, but "
+            f"critic.model={critic.model} is another model than model.path={config.model.path} "
+            "(a value head on another model's trunk cannot start from the policy's weights): "
+            "set algorithm.critic_init=reward_model (weights from critic.model or "
+            "critic.init_path), or drop critic.model to use the policy's model"
+        )
+    if critic.create_tiny and not own:
+        raise ValueError(
+            "critic.create_tiny writes a tiny reward model at critic.model, which must be a "
+            f"directory other than model.path ({config.model.path}); set critic.model"
+        )
+
+
+def check_critic_context(config: TrainConfig, max_positions: int, model: str) -> None:
+    """The critic's context covers the longest prompt and response it scores."""
+    data, rollout = config.data, config.rollout
+    need = data.max_prompt_tokens + rollout.max_new_tokens
+    if max_positions < need:
+        raise ValueError(
+            f"the critic's model {model} has max_position_embeddings={max_positions}, less "
+            f"than data.max_prompt_tokens ({data.max_prompt_tokens}) + rollout.max_new_tokens "
+            f"({rollout.max_new_tokens}) = {need}: it would score positions it has no "
+            "context for. Choose a critic.model with a longer context, or lower those lengths"
+        )
+
+
+def check_gae_path(gae_path: str | None) -> None:
+    """trainer.gae_path was removed (issue 28): the step has one data path for any pair of
+    layouts. "auto" (what every resolved config of an earlier run holds) is accepted with a
+    deprecation warning; "shards"/"flat" asked for a path that is gone: an error."""
+    if gae_path is None:
+        return
+    if gae_path == "auto":
+        logging.getLogger("vapo_megatron").warning(
+            "trainer.gae_path is deprecated and ignored: every step takes the routed path "
+            "(step/routed_route.py); delete the key"
+        )
+        return
+    raise ValueError(
+        f"trainer.gae_path={gae_path!r}: the setting was removed (issue 28); every step takes "
+        "one routed path (each model trains on its own DP ranks' samples, the critic's "
+        "advantages go to the policy's; step/routed_route.py) and the flat path is gone; "
+        "delete trainer.gae_path from the recipe"
+    )
 
 
 def check_loop(config: TrainConfig) -> None:
     """The loop's path choice, collective timeout and checkpoint count are valid."""
     trainer = config.trainer
-    if trainer.gae_path not in ("auto", "shards", "flat"):
-        raise ValueError(f"trainer.gae_path must be auto, shards or flat, got {trainer.gae_path!r}")
+    check_gae_path(trainer.gae_path)
     if trainer.dist_timeout_minutes <= 0:
         raise ValueError(
             f"trainer.dist_timeout_minutes must be > 0, got {trainer.dist_timeout_minutes}"
@@ -132,8 +195,9 @@ def critic_start_help(config: TrainConfig, *, rm_dir: str = "RM_DIR") -> str:
     path, layout = config.critic.init_path, config.critic.layout
     convert = f"python tools/convert.py hf-to-mcore --tp {layout.tp} --pp {layout.pp}"
     return (
-        f"either convert a reward model of the policy's architecture "
-        f"(a one-label *ForSequenceClassification): `{convert} --hf {rm_dir} --out {path} "
+        f"either convert a reward model (a one-label *ForSequenceClassification of any "
+        f"supported size with the policy's tokenizer; critic.model=its HF directory when it is "
+        f"not the policy's model): `{convert} --hf {rm_dir} --out {path} "
         f"--critic-from reward-model`; or start the critic from the policy: `{convert} --hf "
         f"{config.model.path} --out CRITIC_DIR --critic-from policy` with "
         "algorithm.critic_init=policy critic.init_path=CRITIC_DIR (value pretraining then starts "

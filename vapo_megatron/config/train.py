@@ -63,10 +63,14 @@ class CriticSettings:
 
     layout: ModelLayout = field(default_factory=ModelLayout)
     """TP/PP/CP/VPP/SP of the critic, independent of the policy's."""
+    model: str | None = None
+    """The critic's own model: an HF directory (any supported family and size; the policy's tokenizer; a context covering data.max_prompt_tokens + rollout.max_new_tokens), or, for plan and dry run only, a planner preset (planning/presets.py); None: the policy's model.path. Its weights come from critic.init_path, or from this directory when it is a reward model."""
+    create_tiny: bool = False
+    """Write a tiny reward model at critic.model when absent: 1 layer, half the tiny policy's width, the policy's tokenizer, seeded weights (CPU recipes; nothing is downloaded)."""
     optim: OptimSettings = field(default_factory=lambda: OptimSettings(lr=2e-6))
     """Adam and schedule (VAPO: lr 2e-6)."""
     init_path: str | None = None
-    """critic_init=reward_model: a critic Megatron checkpoint (convert --critic-from reward-model) or an HF *ForSequenceClassification directory."""
+    """critic_init=reward_model: a critic Megatron checkpoint (convert --critic-from reward-model) or an HF *ForSequenceClassification directory, of critic.model's architecture; None: critic.model itself."""
     pretrained: str | None = None
     """A critic checkpoint saved by an earlier critic pretraining (run_dir/critic_pretrained); skips pretraining."""
     value_head_init_std: float = 0.0
@@ -197,11 +201,10 @@ class TrainerSettings:
     """Token budget of one packed micro-batch per rank (a longer sample gets one of its own)."""
     whiten_advantages: bool = False
     """Normalise advantages to zero mean, unit std over the step's response tokens."""
-    gae_path: str = "auto"
-    """Where the scoring passes' per-token outputs live (``step/scoring.py``). auto: on
-    each data-parallel rank's own samples, GAE on the critic's context-parallel shards, when
-    the scoring models share one layout (and not CP with PP); otherwise gathered to every rank
-    (flat). shards: that, or an error saying why not. flat: always gathered."""
+    gae_path: str | None = None
+    """Removed (issue 28): every step takes the one routed path (``step/routed_route.py``).
+    None; "auto" (the old default, in resolved configs of earlier runs) is accepted with a
+    deprecation warning; "shards" or "flat" is an error."""
     max_sampling_rounds: int = 4
     """Dynamic sampling: at most this many rollout rounds to fill the batch."""
     seed: int = 1
@@ -275,4 +278,5 @@ class TrainConfig:
         checks.check_tiny_task(self)
         checks.check_sampling(self)
         checks.check_critic_init(self)
+        checks.check_critic_model_setting(self)
         checks.check_loop(self)

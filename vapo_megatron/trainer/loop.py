@@ -24,6 +24,7 @@ from vapo_megatron.checkpoint.state import TrainableState
 from vapo_megatron.config.recipe import config_to_dict, dump_config
 from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.data.tiny_assets import ensure_tiny_assets
+from vapo_megatron.data.tiny_reward_model import ensure_tiny_critic
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.step.run import run_step
@@ -32,6 +33,7 @@ from vapo_megatron.trainer.metrics import MetricsLogger
 from vapo_megatron.trainer.preemption import PreemptionFlag
 from vapo_megatron.trainer.session import Session, dist_timeout, init_distributed
 from vapo_megatron.weights import hf_io
+from vapo_megatron.weights.critic import critic_model_path
 from vapo_megatron.weights.export import export_hf
 
 logger = logging.getLogger("vapo_megatron")
@@ -78,12 +80,13 @@ def train(config: TrainConfig) -> dict:
 
 
 def open_run(config: TrainConfig) -> tuple[Run, bool]:
-    """Start-up on every rank: the process groups, the tiny model's files (model.create_tiny),
-    the run directory and the session; with trainer.resume=auto, the latest checkpoint.
-    Returns the run and whether it resumed."""
+    """Start-up on every rank: the process groups, the tiny models' files (model.create_tiny,
+    critic.create_tiny), the run directory and the session; with trainer.resume=auto, the
+    latest checkpoint. Returns the run and whether it resumed."""
     init_distributed(dist_timeout(config))
     host = make_host_group(dist_timeout(config))
     ensure_tiny_assets(config, host)
+    ensure_tiny_critic(config, host)
     run_dir = prepare_run_dir(config, host)
     run = Run(Session(config, run_dir, host_group=host))
     resumed = config.trainer.resume == "auto" and run.resume()
@@ -161,10 +164,9 @@ def _export_pretrained_critic(run: Run) -> None:
                 out, run.state["step"], run.state["pretrain_step"],
             )  # fmt: skip
         return
-    config = run.cfg
     export_hf(
-        session.critic, out, hf_config=hf_io.read_config(config.model.path),
-        assets_from=config.model.path, host_group=session.host_group,
+        session.critic, out, hf_config=session.critic_hf_config,
+        assets_from=critic_model_path(run.cfg), host_group=session.host_group,
     )  # fmt: skip
 
 
@@ -276,14 +278,18 @@ class Run:
         self.saver = CheckpointSaver(asynchronous=cfg.trainer.checkpoint_async)
 
     def models(self) -> dict[str, TrainableState]:
-        hf_config = hf_io.read_config(self.cfg.model.path)  # as export_hf writes both models
+        # As export_hf writes each model: the critic's own config (critic.model).
+        configs = {
+            "policy": hf_io.read_config(self.cfg.model.path),
+            "critic": self.session.critic_hf_config,
+        }
         out = {}
         for name, engine in (("policy", self.session.policy), ("critic", self.session.critic)):
             if engine is None:
                 continue
             # With weights metadata, each step's <model>/weights exports to HF as it is.
             meta = make_metadata(
-                hf_config, head=engine.head, tp=engine.layout.tp, pp=engine.layout.pp,
+                configs[name], head=engine.head, tp=engine.layout.tp, pp=engine.layout.pp,
                 dtype=engine.config.params_dtype, origin={"run_dir": str(self.session.run_dir)},
             )  # fmt: skip
             out[name] = TrainableState.from_engine(

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.checkpoint import model as mckpt
-from vapo_megatron.config.checks import check_critic_start
+from vapo_megatron.config.checks import check_critic_start, critic_has_own_model
 from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.data.prompts import TokenizedPrompt, load_prompts, tokenize_prompts
@@ -40,7 +40,11 @@ from vapo_megatron.run_log import native_stderr_to_rank_log
 from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights import hf_io
 from vapo_megatron.weights.critic import (
+    check_critic_model,
+    check_reward_model_fits,
     critic_from_policy,
+    critic_hf_config,
+    critic_model_path,
     policy_hf_tensors,
     reward_model_hf_tensors,
 )
@@ -166,6 +170,7 @@ class Session:
         check_critic_start(
             config, has_pretrained_critic=_is_model_dir(self.pretrained_critic_dir())
         )
+        check_critic_model(config)  # critic.model: the policy's tokenizer, enough context
         torch.manual_seed(config.trainer.seed)
         self._read_data()
         self._build_models()
@@ -201,9 +206,12 @@ class Session:
         self.policy_groups, self.critic_groups = build_groups(config, self.host_group)
         self.policy = build_engine(config, self.hf, "policy", self.policy_groups)
         policy_tensors = self._load_policy()
-        self.critic = None
+        self.critic = self.critic_hf_config = self.critic_hf = None
         if config.algorithm.uses_critic:
-            self.critic = build_engine(config, self.hf, "critic", self.critic_groups)
+            # The critic's own model (critic.model), by default the policy's.
+            self.critic_hf_config = critic_hf_config(config)
+            self.critic_hf = HFModelConfig.from_hf(self.critic_hf_config)
+            self.critic = build_engine(config, self.critic_hf, "critic", self.critic_groups)
             self._init_critic(policy_tensors)
 
     def _load_policy(self) -> dict[str, torch.Tensor] | None:
@@ -224,7 +232,8 @@ class Session:
 
     def _init_critic(self, policy_tensors: dict[str, torch.Tensor] | None) -> None:
         """Critic weights: a pretrained critic (this run's or critic.pretrained), else a reward
-        model (critic.init_path), else the policy's trunk with a new value head."""
+        model (critic.init_path, else critic.model when it is not the policy's), else the
+        policy's trunk with a new value head."""
         config = self.config
         for path in (config.critic.pretrained, self.pretrained_critic_dir()):
             if path and _is_model_dir(Path(path)):
@@ -238,9 +247,12 @@ class Session:
                 "Megatron checkpoint; point it at a run's critic_pretrained directory"
             )
         self.critic_pretrained = False
-        if config.critic.init_path:  # a reward model, or the policy converted as a critic
-            self.load_critic(config.critic.init_path)
-            self.critic_source = f"{config.critic.init_path} ({config.algorithm.critic_init})"
+        # A reward model, or the policy converted as a critic; else critic.model's own weights.
+        own_model = config.critic.model if critic_has_own_model(config) else None
+        init_path = config.critic.init_path or own_model
+        if init_path:
+            self.load_critic(init_path)
+            self.critic_source = f"{init_path} ({config.algorithm.critic_init})"
             return
         if policy_tensors is None:
             policy_tensors = policy_hf_tensors(config.model.path)
@@ -255,15 +267,17 @@ class Session:
         return self.run_dir / "critic_pretrained"
 
     def load_critic(self, path: str | Path) -> None:
-        """A critic Megatron checkpoint (any layout) or an HF directory with score.weight."""
+        """A critic Megatron checkpoint (any layout) or an HF directory with score.weight, of
+        the critic's model."""
         path = Path(path)
         if (path / mckpt.METADATA_NAME).is_file():
             mckpt.load_model_weights(
-                self.critic.chunks, path, hf=self.hf, head="value",
+                self.critic.chunks, path, hf=self.critic_hf, head="value",
                 dp_cp_group=self.critic.groups.pg_collection.dp_cp, host_group=self.host_group,
             )  # fmt: skip
             self.critic.optimizer.reload_model_params()
             return
+        check_reward_model_fits(path, self.critic_hf, critic_model_path(self.config))
         self.critic.load_hf(reward_model_hf_tensors(path))
 
     def _start_rollout(self):
