@@ -31,6 +31,7 @@ from vapo_megatron.rollout.module_tensors import (
     save_unsaved_module_tensors,
 )
 from vapo_megatron.rollout.prefetch import Prefetcher
+from vapo_megatron.rollout.route_recorder import ROUTE_DTYPE, RouteRecorder
 from vapo_megatron.rollout.sleep_state import SleepLevel, SleepState, TrainingStateOffload
 from vapo_megatron.rollout.vllm_args import (
     check_vllm_version,
@@ -38,6 +39,7 @@ from vapo_megatron.rollout.vllm_args import (
     cpu_thread_binding,
     group_timeouts,
     replica_and_executor,
+    route_recording,
     sleep_mode,
 )
 from vapo_megatron.weights.buckets import bucket_nbytes, iter_buckets
@@ -87,6 +89,10 @@ class RolloutConfig:
     (``rollout.sleep_level``: it syncs every step). CPU: vLLM has no sleep mode; only the order
     is checked."""
 
+    record_routes: bool = False
+    """MoE models: return each sample's routed experts (routing replay): vLLM's own on GPU,
+    ``rollout/route_recorder.py`` on CPU (prefix caching off there)."""
+
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(
@@ -126,6 +132,10 @@ class RolloutSample:
     RolloutConfig.logprobs_mode)."""
     finish_reason: Literal["stop", "length"]
     """'stop': a stop token was generated; 'length': max_new_tokens (or max_model_len) was reached."""
+    routes: torch.Tensor | None = None
+    """With ``record_routes``: int16 [P + L - 1, layers, top_k], the routed experts of every
+    token the engine forwarded (the prompt, then the response but its last token), vLLM's
+    ``CompletionOutput.routed_experts`` layout (``rollout/route_recorder.py``); else None."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,12 +253,17 @@ class RolloutEngine:
             weight_transfer_config={"backend": "vapo_inline"},
             **group_timeouts(config.dist_timeout),
             **cpu_scheduling(config.max_model_len) if self.is_cpu else {},
+            **route_recording(config.record_routes, is_cpu=self.is_cpu, executor=executor),
         )
         self.start_seconds = time.perf_counter() - start
         random.setstate(rng_states[0])
         np.random.set_state(rng_states[1])
         torch.set_rng_state(rng_states[2])
         self.llm.collective_rpc("init_weight_transfer_engine", args=({},))
+        self.route_recorder = None
+        if config.record_routes and self.is_cpu:
+            self.route_recorder = RouteRecorder()
+            self.llm.collective_rpc(self.route_recorder.attach)
 
     def generate(
         self,
@@ -292,7 +307,13 @@ class RolloutEngine:
             for p in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.route_recorder is not None:
+            self.route_recorder.start()
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            if self.route_recorder is not None:
+                self.route_recorder.stop()
         samples = []
         for p, output in enumerate(outputs):
             for completion in sorted(output.outputs, key=lambda c: c.index):
@@ -317,9 +338,25 @@ class RolloutEngine:
                         response_token_ids=token_ids,
                         logprobs=logprobs,
                         finish_reason=completion.finish_reason,
+                        routes=self._routes(output, completion, n),
                     )
                 )
         return samples
+
+    def _routes(self, output, completion, n: int) -> torch.Tensor | None:
+        """A completion's routed experts, int16 [P + L - 1, layers, top_k] (or None)."""
+        if not self.config.record_routes:
+            return None
+        num_tokens = len(output.prompt_token_ids) + len(completion.token_ids)
+        if self.route_recorder is not None:
+            key = self.route_recorder.request_of(output.request_id, completion.index, n)
+            return self.route_recorder.take(key, num_tokens)
+        routes = torch.from_numpy(np.asarray(completion.routed_experts).astype(np.int16))
+        if routes.shape[0] != num_tokens - 1:
+            raise RuntimeError(
+                f"vLLM returned routes for {routes.shape[0]} tokens, expected {num_tokens - 1}"
+            )
+        return routes.to(ROUTE_DTYPE)
 
     def update_weights(
         self,

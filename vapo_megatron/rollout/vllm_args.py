@@ -102,3 +102,23 @@ def replica_and_executor(tp: int, in_job: bool) -> tuple[int, int, str]:
             "(set by torchrun/srun and vapo's local launcher)"
         )
     return (*engine_replica(dist.get_rank(), dist.get_world_size(), tp), "external_launcher")
+
+
+def route_recording(record_routes: bool, *, is_cpu: bool, executor: str) -> dict:
+    """vLLM's start arguments for recording each token's routed experts (routing replay).
+
+    GPU: vLLM's own ``enable_return_routed_experts`` (``CompletionOutput.routed_experts``).
+    CPU: ``rollout/route_recorder.py`` hooks the routers in this process, so the engine's
+    model must run here (not the 'mp' executor), and prefix caching is off (a cached prompt
+    block is never forwarded, so it would have no recorded routes)."""
+    if not record_routes:
+        return {}
+    if not is_cpu:
+        return {"enable_return_routed_experts": True}
+    if executor == "mp":
+        raise ValueError(
+            "recording routes on CPU needs the engine's model in the trainer's process; "
+            "the 'mp' executor (vLLM TP > 1 outside a distributed job) runs it elsewhere: "
+            "launch the trainer distributed or set algorithm.routing_replay=none"
+        )
+    return {"enable_prefix_caching": False}
