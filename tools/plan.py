@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vapo_megatron.config.layout import ModelLayout  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
 from vapo_megatron.planning import memory as mp  # noqa: E402
-from vapo_megatron.planning.params import total_param_count  # noqa: E402
+from vapo_megatron.planning.params import active_param_count, total_param_count  # noqa: E402
 from vapo_megatron.planning.plan_report import format_plan, plan_summary  # noqa: E402
-from vapo_megatron.planning.presets import GPUS, MODEL_PRESETS  # noqa: E402
+from vapo_megatron.planning.presets import GPUS, MODEL_PRESETS, read_critic_config  # noqa: E402
 from vapo_megatron.planning.workload import FULL_RECOMPUTE, GIB, NO_RECOMPUTE, OFFLOADS, Workload  # noqa: E402
 
 
@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help=f"preset {sorted(MODEL_PRESETS)} or an HF config.json "
                         "(or its directory); default: the recipe's model.path")  # fmt: skip
+    parser.add_argument("--critic-model", help="the critic's own model: a preset or an HF "
+                        "config.json (or its directory); default: the recipe's critic.model, "
+                        "else the policy's")  # fmt: skip
     parser.add_argument("--gpu", default="h100-80gb", choices=sorted(GPUS))
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
@@ -83,15 +86,18 @@ def read_model(spec: str | None, recipe_model_path: str | None) -> tuple[str, HF
     return read_model_config(spec, recipe_model_path)
 
 
-def check_recipe(config, hf: HFModelConfig, world_size: int) -> None:
-    """The trainer's own refusals, in the order the trainer meets them."""
+def check_recipe(
+    config, hf: HFModelConfig, critic_hf: HFModelConfig | None, world_size: int
+) -> None:
+    """The trainer's own refusals, in the order the trainer meets them (the critic's layout
+    against its own model, critic_hf; None: the policy's)."""
     from vapo_megatron.config.layout import check_layout_pair
 
     config.check(world_size)
     check_layout_pair(config.policy.layout, config.critic.layout, world_size)
     config.policy.layout.check(hf)
     if config.algorithm.uses_critic:
-        config.critic.layout.check(hf)
+        config.critic.layout.check(critic_hf or hf)
     for problem in mp.rollout_tp_problems(hf, config.rollout.tensor_parallel_size, world_size):
         raise ValueError(f"rollout.tensor_parallel_size: {problem}")
 
@@ -107,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
 
             config = load_recipe(args.recipe, args.set)
         name, hf = read_model(args.model, config.model.path if config else None)
+        critic = read_critic_config(args.critic_model, config)
+        critic_hf = None if critic is None else critic[1]
         if config is not None:
-            check_recipe(config, hf, world)
+            check_recipe(config, hf, critic_hf, world)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         print(json.dumps({"fits": False, "valid": False, "error": str(err)}))
@@ -124,41 +132,46 @@ def main(argv: list[str] | None = None) -> int:
         min_headroom_bytes=int(args.min_headroom_gib * GIB),
         **(recipe_workload(config) if config else cli_workload(args)),
     )
-    print(f"model {name}: {total_param_count(hf, head='lm') / 1e9:.2f}e9 parameters; "
-          f"{args.nodes} node(s) x {args.gpus_per_node} {gpu.name} = {world} GPUs; "
+    print(f"model {name}: {describe(hf)}"
+          + ("" if critic is None else f"; critic {critic[0]}: {describe(critic[1])}")
+          + f"; {args.nodes} node(s) x {args.gpus_per_node} {gpu.name} = {world} GPUs; "
           f"sequences {work.prompt_len} + {work.response_len} tokens, micro-batch "
           f"{work.micro_batch_tokens} tokens")  # fmt: skip
     summary: dict[str, object] = {}
     proposal = None
     if config is not None:
         critic = config.critic.layout if work.uses_critic else None
-        as_written = mp.plan(hf, gpu, config.policy.layout, critic, work)
+        as_written = mp.plan(hf, gpu, config.policy.layout, critic, work, critic_hf=critic_hf)
         print(format_plan(as_written, f"recipe {args.recipe} as written"))
         summary.update(recipe_fits=as_written.fits, recipe_changes={})
         proposal = as_written
         if not as_written.fits:
-            util = mp.max_vllm_utilization(hf, gpu, config.policy.layout, critic, work)
+            util = mp.max_vllm_utilization(hf, gpu, config.policy.layout, critic, work,
+                                           critic_hf=critic_hf)  # fmt: skip
             adjusted = mp.plan(hf, gpu, config.policy.layout, critic,
-                               replace(work, gpu_memory_utilization=util))  # fmt: skip
+                               replace(work, gpu_memory_utilization=util),
+                               critic_hf=critic_hf)  # fmt: skip
             proposal = adjusted if adjusted.fits else None
             if adjusted.fits:
                 summary["recipe_changes"] = {"rollout.gpu_memory_utilization": util}
     if proposal is None:
         proposal = mp.propose(hf, gpu, work, gpus_per_node=args.gpus_per_node,
-                              min_concurrent=args.min_concurrent)  # fmt: skip
+                              min_concurrent=args.min_concurrent, critic_hf=critic_hf)  # fmt: skip
         if proposal is not None and config is not None:
             summary["recipe_changes"] = recipe_changes(proposal)
     if proposal is None:  # show why the smallest split fails
         first = ModelLayout(tp=min(args.gpus_per_node, hf.num_key_value_heads))
         first = replace(first, sequence_parallel=first.tp > 1)
-        proposal = mp.plan(hf, gpu, first, first if work.uses_critic else None, work)
+        proposal = mp.plan(hf, gpu, first, first if work.uses_critic else None, work,
+                           critic_hf=critic_hf)  # fmt: skip
         print(f"no layout of {world} GPUs fits; the largest tensor-parallel split inside a node:")
     print(format_plan(proposal, "proposed"))
     for offload in ("optimizer", "rollout"):  # what each offload option would buy
         alt = replace(proposal.workload, offload=offload)
-        util = mp.max_vllm_utilization(hf, gpu, proposal.policy, proposal.critic, alt)
+        util = mp.max_vllm_utilization(hf, gpu, proposal.policy, proposal.critic, alt,
+                                       critic_hf=critic_hf)  # fmt: skip
         alt = mp.plan(hf, gpu, proposal.policy, proposal.critic,
-                      replace(alt, gpu_memory_utilization=util))  # fmt: skip
+                      replace(alt, gpu_memory_utilization=util), critic_hf=critic_hf)  # fmt: skip
         if alt.phases:
             train_peak = max(v for k, v in alt.phases.items() if k.endswith("_update"))
             print(f"offload={offload} ({OFFLOADS[offload]}): update peak "
@@ -166,6 +179,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{util:.2f} ({alt.concurrent_sequences:.1f} sequences per replica)")  # fmt: skip
     print(json.dumps({**plan_summary(proposal), **summary}))
     return 0
+
+
+def describe(hf: HFModelConfig) -> str:
+    """Its size in parameters (MoE: total and active per token, the experts and top-k)."""
+    total = f"{total_param_count(hf, head='lm') / 1e9:.2f}e9 parameters"
+    if not hf.is_moe:
+        return total
+    active = active_param_count(hf, head="lm") / 1e9
+    return f"{total} ({active:.2f}e9 active: top {hf.moe_top_k} of {hf.num_experts} experts)"
 
 
 CLI_RECOMPUTE = {"none": NO_RECOMPUTE, "selective": ("selective", None, None),
@@ -199,7 +221,7 @@ def recipe_changes(result: mp.Plan) -> dict[str, object]:
     for name, layout in (("policy", result.policy), ("critic", result.critic)):
         if layout is None:
             continue
-        for key in ("tp", "pp", "cp", "vpp", "sequence_parallel"):
+        for key in ("tp", "pp", "cp", "vpp", "sequence_parallel", "ep", "etp"):
             changes[f"{name}.layout.{key}"] = getattr(layout, key)
     changes["rollout.tensor_parallel_size"] = result.workload.rollout_tp
     changes["rollout.gpu_memory_utilization"] = result.workload.gpu_memory_utilization

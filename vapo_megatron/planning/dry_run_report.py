@@ -12,7 +12,7 @@ from typing import Any
 
 from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.planning.dry_run import FALLBACKS, RankReport, dry_run
-from vapo_megatron.planning.presets import read_model_config
+from vapo_megatron.planning.presets import read_critic_config, read_model_config
 from vapo_megatron.planning.workload import GIB
 
 ROWS = (
@@ -108,14 +108,18 @@ def summary(reports: Sequence[RankReport]) -> dict[str, Any]:
 
 
 def run(config: TrainConfig, *, model: str | None, world_size: int, ranks: Sequence[int]) -> None:
-    """``vapo-train RECIPE --dry-run``: print each rank's table, then the JSON summary."""
+    """``vapo-train RECIPE --dry-run``: print each rank's table, then the JSON summary. The
+    critic is critic.model's (a preset or an HF directory), by default the policy's."""
     name, hf = read_model_config(model, config.model.path)
+    critic = read_critic_config(None, config)
+    critic_hf = None if critic is None else critic[1]
     # Megatron's per-bucket parameter lists and our GPU-settings line, once per rank built.
     for logger in ("megatron", "vapo_megatron"):
         logging.getLogger(logger).setLevel(logging.WARNING)
     started = time.perf_counter()
-    reports = dry_run(config, hf, world_size=world_size, ranks=ranks)
-    print(f"dry run of {name} at world size {world_size}: the trainer's "
+    reports = dry_run(config, hf, world_size=world_size, ranks=ranks, critic_hf=critic_hf)
+    with_critic = "" if critic is None else f" with the critic {critic[0]}"
+    print(f"dry run of {name}{with_critic} at world size {world_size}: the trainer's "
           f"groups, models, DDP and optimizer built on meta under the fake backend")  # fmt: skip
     for report in reports:
         print(format_report(report))

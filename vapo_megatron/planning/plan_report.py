@@ -11,10 +11,15 @@ from vapo_megatron.planning.workload import GIB, OFFLOADS, Recompute
 
 
 def layout_summary(layout: ModelLayout, world_size: int) -> dict[str, object]:
-    """{"tp", "pp", "cp", "dp", "vpp", "sequence_parallel"} of one model."""
+    """{"tp", "pp", "cp", "dp", "vpp", "sequence_parallel"} of one model, and under expert
+    parallelism {"ep", "etp", "edp"} (expert TP and expert DP as in effect)."""
     dp = world_size // (layout.tp * layout.pp * layout.cp)
-    return {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "dp": dp, "vpp": layout.vpp,
-            "sequence_parallel": layout.sequence_parallel}  # fmt: skip
+    out: dict[str, object] = {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "dp": dp,
+                              "vpp": layout.vpp, "sequence_parallel": layout.sequence_parallel}  # fmt: skip
+    if layout.ep > 1 or layout.etp is not None:
+        etp = layout.expert_tp
+        out.update(ep=layout.ep, etp=etp, edp=world_size // (etp * layout.ep * layout.pp))
+    return out
 
 
 def recompute_label(recompute: Recompute) -> str:
@@ -65,7 +70,9 @@ def format_plan(result: Plan, title: str) -> str:
         dp = work.world_size // ranks if work.world_size % ranks == 0 else "-"
         vpp = f" vpp{layout.vpp}" if layout.vpp else ""
         sp = " sp" if layout.sequence_parallel else ""
-        return f"tp{layout.tp} pp{layout.pp}{vpp} cp{layout.cp} dp{dp}{sp}"
+        ep = f" ep{layout.ep}" if layout.ep > 1 else ""
+        ep += f" etp{layout.etp}" if layout.etp is not None else ""
+        return f"tp{layout.tp} pp{layout.pp}{vpp} cp{layout.cp} dp{dp}{ep}{sp}"
 
     models = [("policy", result.policy, result.policy_memory, work.policy_recompute)]
     if result.critic is not None:
@@ -75,6 +82,8 @@ def format_plan(result: Plan, title: str) -> str:
     lines.append(f"{'recompute':44}" + "".join(f"{recompute_label(m[3]):>24}" for m in models))
     if result.phases:
         shards = "DP x CP" if work.distributed_optimizer else "not sharded"
+        if work.distributed_optimizer and any(m[1].ep > 1 for m in models):
+            shards += "; experts: expert DP"
         grad = "fp32" if work.grad_reduce_in_fp32 or not work.bf16 else "bf16"
         rows = [("params (bf16) [exact]" if work.bf16 else "params (fp32) [exact]", "params"),
                 (f"grads ({grad}) [exact]", "grads"), (f"Adam ({shards}) [exact]", "optimizer"),
