@@ -1,9 +1,11 @@
 """The paper's Table 1 in miniature: VAPO, its seven ablations and the baselines on the tiny task.
 
-    python tools/ablate.py [--recipe recipes/demo.yaml] [--seeds 3] [--only NAME,NAME]
+    python tools/ablate.py [--recipe recipes/demo.yaml] [--seeds 3] [--rows NAME,NAME]
         [--steps N] [--out runs/ablate] [section.key=value ...]
 
-Each preset (algorithm.preset) x seed (trainer.seed) is one vapo-train run of the recipe in
+Each row is a preset (algorithm.preset), or a preset with recipe overrides (``VARIANTS``: VAPO
+with a critic smaller than the policy). Each row x seed (trainer.seed) is one vapo-train run of
+the recipe in
 OUT/NAME/seed_S, from the same warmed-up policy and its Megatron checkpoint (tools/demo.py's
 assets). The presets keep their shape at the recipe's scale (``scaled_algorithm``): the same
 samples per step, one sample per prompt where the paper's baseline draws one, the recipe's
@@ -42,6 +44,7 @@ from vapo_megatron.config.train import TrainConfig  # noqa: E402
 # Table 1's rows in its order, then the baselines the paper compares with elsewhere.
 ROWS = (
     ("vapo", "VAPO"),
+    ("vapo_small_critic", "VAPO, critic 1 layer x half width"),
     ("vapo_without_value_pretraining", "w/o Value-Pretraining"),
     ("vapo_without_decoupled_gae", "w/o Decoupled-GAE"),
     ("vapo_without_length_adaptive_gae", "w/o Length-adaptive GAE"),
@@ -62,6 +65,8 @@ PAPER_AIME24 = {
     "vapo_without_group_sampling": 55, "ppo": 5, "dapo": 50,
 }  # fmt: skip
 """avg@32 on AIME 2024 in the paper's Table 1 (Qwen2.5-32B); the other rows are not in it."""
+VARIANTS: dict[str, str] = {"vapo_small_critic": "vapo"}
+"""Rows that are a preset run with other recipe values (``variant_overrides``)."""
 PAPER_MAX_NEW_TOKENS = 20480
 """The paper's response length, against which DAPO's 4096-token overlong buffer is scaled."""
 
@@ -88,6 +93,18 @@ def scaled_algorithm(name: str, config: TrainConfig) -> dict[str, object]:
     if preset.get("advantage_estimator", "gae") == "gae":
         out["critic_init"] = "policy"  # no reward model exists for the tiny task
     return out
+
+
+def variant_overrides(name: str, config: TrainConfig) -> list[str]:
+    """Recipe overrides of row ``name`` beyond its preset's algorithm keys. vapo_small_critic:
+    the critic is its own model, the tiny reward model (1 layer, half the policy's width, the
+    policy's tokenizer; data/tiny_reward_model.py) written next to the policy on first use,
+    and starts from it (a value head on another model's trunk cannot start from the policy)."""
+    if name != "vapo_small_critic":
+        return []
+    critic = Path(config.model.path).parent / "small_critic"
+    return [f"critic.model={critic}", "critic.create_tiny=true",
+            'algorithm.critic_init="reward_model"']  # fmt: skip
 
 
 def run_one(recipe: Path, overrides: list[str], run_dir: Path) -> dict:
@@ -144,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE)
     parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N (trainer.seed)")
-    parser.add_argument("--only", help="comma-separated preset names (default: all rows)")
+    parser.add_argument(
+        "--rows", "--only", dest="only", help="comma-separated row names (default: all rows)"
+    )
     parser.add_argument("--steps", type=int, help="VAPO steps per run (default: the recipe's)")
     parser.add_argument("--out", type=Path, default=Path("runs/ablate"))
     parser.add_argument("overrides", nargs="*", help="section.key=value for every run")
@@ -154,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]
         unknown = [n for n in wanted if n not in names]
         if unknown:
-            print(f"error: unknown preset(s) {unknown}; choose from {names}", file=sys.stderr)
+            print(f"error: unknown row(s) {unknown}; choose from {names}", file=sys.stderr)
             return 2
         names = wanted
     if args.seeds < 1:
@@ -169,9 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_recipe(args.recipe, overrides)
         prepare_assets(config)
-        plans = {name: scaled_algorithm(name, config) for name in names}
+        plans = {
+            name: _algorithm_overrides(scaled_algorithm(VARIANTS.get(name, name), config))
+            + variant_overrides(name, config)
+            for name in names
+        }
         for plan in plans.values():  # refuse a bad combination before hours of runs
-            load_recipe(args.recipe, overrides + _algorithm_overrides(plan))
+            load_recipe(args.recipe, overrides + plan).check(config.trainer.local_world_size)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -183,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             state = "done, skipped" if (run_dir / "summary.json").is_file() else "running"
             print(f"ablate: {name} seed {seed}: {state} ({run_dir})", flush=True)
-            run_overrides = [*overrides, *_algorithm_overrides(plans[name]), f"trainer.seed={seed}"]
+            run_overrides = [*overrides, *plans[name], f"trainer.seed={seed}"]
             try:
                 result = run_one(args.recipe, run_overrides, run_dir)
             except RuntimeError as err:
