@@ -43,6 +43,7 @@ def export_hf(
     buckets = stream_policy_weights(
         engine.chunks, engine.record, engine.config,
         tp_group=engine.groups.parallel.tp, pp_group=engine.groups.parallel.pp,
+        ep_group=engine.groups.pg_collection.ep, expt_tp_group=engine.groups.pg_collection.expt_tp,
         bucket_bytes=BUCKET_BYTES,
     )  # fmt: skip
     for bucket in buckets:

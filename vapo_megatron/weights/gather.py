@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,12 +22,48 @@ from vapo_megatron.parallel import collectives
 from vapo_megatron.weights.record import ModelChunk, ModelRecord, Split, TensorMap
 
 
-def model_chunks_of_rank(config: TransformerConfig, pp_rank: int) -> list[ModelChunk]:
-    """The record's view of each model chunk this pipeline rank builds."""
+def model_chunks_of_rank(
+    config: TransformerConfig, pp_rank: int, ep_rank: int = 0
+) -> list[ModelChunk]:
+    """The record's view of each model chunk this pipeline (and expert-parallel) rank builds."""
     vpp = config.virtual_pipeline_model_parallel_size
     if vpp is None:
-        return [ModelChunk.for_stage(config, pp_rank)]
-    return [ModelChunk.for_stage(config, pp_rank, vp_stage) for vp_stage in range(vpp)]
+        return [ModelChunk.for_stage(config, pp_rank, ep_rank=ep_rank)]
+    return [
+        ModelChunk.for_stage(config, pp_rank, vp_stage, ep_rank=ep_rank) for vp_stage in range(vpp)
+    ]
+
+
+def expert_groups(
+    config: TransformerConfig,
+    tp_group: dist.ProcessGroup | None,
+    ep_group: dist.ProcessGroup | None,
+    expt_tp_group: dist.ProcessGroup | None,
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(EP group, expert-TP group) of a model with ``config``, checked against its sizes.
+
+    None for ``expt_tp_group`` means the TP group, which is megatron's expert-TP group when the
+    sizes agree (rank order "tp-ep-dp-pp" of the expert groups and "tp-cp-ep-dp-pp" of the
+    dense ones both vary TP fastest); None for ``ep_group`` means EP = 1. ValueError when a
+    group's size is not the config's (``expert_model_parallel_size``,
+    ``expert_tensor_parallel_size``)."""
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    if ep != config.expert_model_parallel_size:
+        raise ValueError(
+            f"the EP group has {ep} ranks but the model was built with "
+            f"expert_model_parallel_size={config.expert_model_parallel_size}; pass the "
+            "model's own ep group (pg_collection.ep)"
+        )
+    expt_tp_group = tp_group if expt_tp_group is None else expt_tp_group
+    etp = 1 if expt_tp_group is None else dist.get_world_size(expt_tp_group)
+    want = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if etp != want:
+        raise ValueError(
+            f"the expert-TP group has {etp} ranks but the model was built with "
+            f"expert_tensor_parallel_size={want}; pass the model's own expt_tp group "
+            "(pg_collection.expt_tp)"
+        )
+    return ep_group, expt_tp_group
 
 
 def load_hf_weights(
@@ -37,16 +74,23 @@ def load_hf_weights(
     *,
     tp_rank: int,
     pp_rank: int,
+    ep_rank: int = 0,
+    etp_rank: int | None = None,
 ) -> None:
     """Copy full HF-named tensors into this rank's (possibly wrapped) model chunks.
 
-    Every parameter of every chunk must be covered: a tensor the record does not produce is a
-    ValueError, never left at its initial value.
+    Routed experts: this EP rank's (``ep_rank``), split over expert TP at ``etp_rank`` (None:
+    the TP rank, megatron's default). Every parameter of every chunk must be covered: a tensor
+    the record does not produce is a ValueError, never left at its initial value.
     """
     tp_size = config.tensor_model_parallel_size
-    for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
+    etp_size = config.expert_tensor_parallel_size or tp_size
+    chunks = model_chunks_of_rank(config, pp_rank, ep_rank)
+    for model, chunk in zip(models, chunks, strict=True):
         params = chunk_parameters(model, record, chunk)
-        shards = record.hf_to_megatron_shards(hf_tensors, tp_rank, tp_size, chunk)
+        shards = record.hf_to_megatron_shards(
+            hf_tensors, tp_rank, tp_size, chunk, etp_rank=etp_rank, etp_size=etp_size
+        )
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(shards[name])
@@ -147,8 +191,16 @@ def gather_hf_weights(
     pp_rank: int,
     only_to_tp_rank: int | None = None,
     buffers: GatherBuffers | None = None,
+    ep_group: dist.ProcessGroup | None = None,
+    expt_tp_group: dist.ProcessGroup | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline rank's weights as full HF-named tensors, gathered over ``tp_group``.
+
+    MoE models: each routed expert's tensors are gathered over ``expt_tp_group`` (None: the
+    TP group, when expert TP = TP), then over ``ep_group`` (None: EP = 1), one local expert
+    slot at a time: local expert j's fc1 (or fc2) of every EP rank r, yielded as global
+    experts ``r * local + j`` in EP-rank order. So what an expert gather holds is EP x one
+    expert's tensor, never a whole layer's experts (``stream.py`` states the bound).
 
     Yields in the record's order, one Megatron tensor at a time (so at most one full tensor
     plus its shards is alive). Collective: every rank of the TP group must iterate to the end.
@@ -167,11 +219,18 @@ def gather_hf_weights(
     """
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    ep_group, expt_tp_group = expert_groups(config, tp_group, ep_group, expt_tp_group)
     if only_to_tp_rank is None:
+        groups = _GatherGroups(tp_group, expt_tp_group, ep_group)
         yield from _all_gather_hf_weights(
-            models, record, config, tp_group, tp_size, pp_rank, buffers or GatherBuffers(0)
+            models, record, config, groups, pp_rank, buffers or GatherBuffers(0)
         )
         return
+    if config.expert_model_parallel_size > 1 or expt_tp_group is not tp_group:
+        raise ValueError(
+            "gathering to one TP rank (a single receiver) is not implemented for expert "
+            "parallelism or an expert TP other than TP; stream to every rank instead"
+        )
     receives = only_to_tp_rank == tp_rank
     for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
         params = chunk_parameters(model, record, chunk)
@@ -195,11 +254,13 @@ def tp_gathers(
     config: TransformerConfig,
     *,
     pp_rank: int,
+    ep_rank: int = 0,
 ) -> Iterator[tuple[str, TensorMap, torch.Tensor, ModelChunk]]:
-    """(Megatron name, map, local tensor, chunk) of every tensor this pipeline rank exports, in
-    the stream's order (the bench replays its all-gathers); ``gather_pieces`` tells what is
-    all-gathered of each."""
-    for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
+    """(Megatron name, map, local tensor, chunk) of every tensor this pipeline (and EP) rank
+    exports, in the stream's order (the bench replays its all-gathers); ``gather_pieces``
+    tells what is all-gathered of each."""
+    chunks = model_chunks_of_rank(config, pp_rank, ep_rank)
+    for model, chunk in zip(models, chunks, strict=True):
         params = chunk_parameters(model, record, chunk)
         for name, m in record.tensor_maps(chunk).items():
             if not m.tied_copy:  # the first stage exports the shared embedding
@@ -219,25 +280,77 @@ def gather_pieces(m: TensorMap, local: torch.Tensor, tp_size: int) -> list[torch
     return [local]
 
 
-def _all_gather_hf_weights(models, record, config, tp_group, tp_size, pp_rank, buffers):
-    """``gather_hf_weights`` to every rank of the TP group, through ``buffers``."""
+@dataclass(frozen=True)
+class _GatherGroups:
+    """The groups one model's gather runs over."""
 
-    def gathered(piece: torch.Tensor) -> torch.Tensor:
-        full = buffers.take((tp_size * piece.shape[0], *piece.shape[1:]), piece.dtype, piece.device)
-        collectives.all_gather_into_tensor(full, piece, tp_group)
-        return full
+    tp: dist.ProcessGroup | None
+    expt_tp: dist.ProcessGroup | None
+    ep: dist.ProcessGroup | None
 
-    for name, m, local, chunk in tp_gathers(models, record, config, pp_rank=pp_rank):
-        pieces = gather_pieces(m, local, tp_size)
-        if m.split is Split.REPLICATED:  # the parameter itself, as the record gives it
-            yield from record.megatron_to_hf(name, [local] * tp_size, chunk)
-        elif not pieces:  # TP=1: converted out of the parameter
-            yield from _hf_tensors(record, m, local, 1, buffers, owned=False)
-        elif m.split is Split.GATE_UP:  # rank r's gate half is the r-th row block of HF gate
-            for hf_name, piece in zip(m.hf_names, pieces, strict=True):
-                yield hf_name, gathered(piece)
+
+def _all_gather_hf_weights(models, record, config, groups: _GatherGroups, pp_rank, buffers):
+    """``gather_hf_weights`` to every rank of the TP (and EP) group, through ``buffers``."""
+    ep_rank = 0 if groups.ep is None else dist.get_rank(groups.ep)
+    for name, m, local, chunk in tp_gathers(
+        models, record, config, pp_rank=pp_rank, ep_rank=ep_rank
+    ):
+        if m.expert is None:
+            yield from _tp_gathered(record, name, m, local, chunk, groups.tp, buffers)
+            continue
+        named = _tp_gathered(record, name, m, local, chunk, groups.expt_tp, buffers)
+        if chunk.ep_size == 1:
+            yield from named
         else:
-            yield from _hf_tensors(record, m, gathered(pieces[0]), tp_size, buffers, owned=True)
+            yield from _ep_gathered(record, m, chunk, named, groups.ep, buffers)
+
+
+def _gathered(piece: torch.Tensor, group, size: int, buffers: GatherBuffers) -> torch.Tensor:
+    """Every rank's ``piece`` stacked along dim 0, in a pooled buffer."""
+    full = buffers.take((size * piece.shape[0], *piece.shape[1:]), piece.dtype, piece.device)
+    collectives.all_gather_into_tensor(full, piece.contiguous(), group)
+    return full
+
+
+def _tp_gathered(record, name, m, local, chunk, group, buffers):
+    """The HF tensors of one Megatron tensor, its shards gathered over ``group`` (TP, or
+    expert TP for a routed expert's tensor)."""
+    size = 1 if group is None else dist.get_world_size(group)
+    pieces = gather_pieces(m, local, size)
+    if m.split is Split.REPLICATED:  # the parameter itself, as the record gives it
+        yield from record.megatron_to_hf(name, [local] * size, chunk)
+    elif not pieces:  # TP=1: converted out of the parameter
+        yield from _hf_tensors(record, m, local, 1, buffers, owned=False)
+    elif m.split is Split.GATE_UP:  # rank r's gate half is the r-th row block of HF gate
+        for hf_name, piece in zip(m.hf_names, pieces, strict=True):
+            yield hf_name, _gathered(piece, group, size, buffers)
+    else:
+        full = _gathered(pieces[0], group, size, buffers)
+        yield from _hf_tensors(record, m, full, size, buffers, owned=True)
+
+
+def _ep_gathered(record, m, chunk, named, ep_group, buffers):
+    """This EP rank's HF tensors of one local expert slot (``named``, in ``m.hf_names``
+    order) all-gathered over ``ep_group``, one HF tensor at a time: the i-th HF tensor of the
+    same slot on every EP rank r (global expert ``r * local + j``), in EP-rank order, as views
+    of one pooled [EP, ...] buffer. ``ep_hf_names`` lists this order."""
+    ep_size = chunk.ep_size
+    peers = record.ep_peers(m, chunk)
+    for i, (_, tensor) in enumerate(named):
+        full = _gathered(tensor, ep_group, ep_size, buffers).view(ep_size, *tensor.shape)
+        del tensor  # the expert-TP result goes back to the pool
+        for rank, peer in enumerate(peers):
+            yield peer.hf_names[i], full[rank]
+
+
+def ep_hf_names(record: ModelRecord, m: TensorMap, chunk: ModelChunk) -> list[str]:
+    """The HF names the gather yields for Megatron tensor ``m`` of ``chunk`` over the whole
+    EP group, in order: ``m.hf_names`` for a tensor that is not a routed expert's; for an
+    expert slot, each HF tensor (gate, up; or down) of every EP rank's expert in turn."""
+    if m.expert is None:
+        return list(m.hf_names)
+    peers = record.ep_peers(m, chunk)
+    return [peer.hf_names[i] for i in range(len(m.hf_names)) for peer in peers]
 
 
 def _hf_tensors(

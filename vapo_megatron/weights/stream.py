@@ -23,17 +23,23 @@ from megatron.core.transformer import TransformerConfig
 
 from vapo_megatron.parallel import collectives
 from vapo_megatron.weights.buckets import NamedTensor, iter_buckets
-from vapo_megatron.weights.gather import GatherBuffers, gather_hf_weights, model_chunks_of_rank
+from vapo_megatron.weights.gather import (
+    GatherBuffers,
+    ep_hf_names,
+    gather_hf_weights,
+    model_chunks_of_rank,
+)
 from vapo_megatron.weights.record import ModelRecord
 
 
 def _stage_plan(record: ModelRecord, config: TransformerConfig, stage: int, dtype: torch.dtype):
-    """(name, meta tensor) of every HF tensor pipeline stage ``stage`` exports, in order."""
+    """(name, meta tensor) of every HF tensor pipeline stage ``stage`` exports, in order
+    (its routed experts gathered over expert parallelism: ``gather.ep_hf_names``)."""
     for chunk in model_chunks_of_rank(config, stage):
         for m in record.tensor_maps(chunk).values():
             if m.tied_copy:
                 continue
-            for name in m.hf_names:
+            for name in ep_hf_names(record, m, chunk):
                 yield name, torch.empty(record.hf_shape(name), dtype=dtype, device="meta")
 
 
@@ -60,8 +66,18 @@ def stream_policy_weights(
     bucket_bytes: int,
     receiver: int | None = None,
     buffers: GatherBuffers | None = None,
+    ep_group: dist.ProcessGroup | None = None,
+    expt_tp_group: dist.ProcessGroup | None = None,
 ) -> Iterator[list[NamedTensor]]:
     """Buckets of the whole model's full HF-named tensors: on every rank, or on ``receiver``.
+
+    MoE models: each stage's routed experts are gathered over ``expt_tp_group`` (None: TP)
+    and ``ep_group`` (None: EP = 1) one local expert slot and one HF tensor at a time
+    (``gather.gather_hf_weights``), so every rank gets every expert. The bound for 128-expert
+    layers: a bucket holds whole HF tensors (one expert's gate, up or down projection at
+    most), never a layer's experts at once, and besides the bucket a rank holds one EP gather:
+    EP x one expert projection (Qwen3-235B-A22B in bf16 at EP 8: 8 x 12.6 MB = 101 MB), and
+    its expert-TP gather, whatever the number of experts. ``receiver`` is refused with EP > 1.
 
     With PP = 1 nothing crosses ranks after the TP gathers, so each bucket is one tensor,
     yielded as soon as it is gathered: what is held is then the consumer's choice (the engine
@@ -94,7 +110,14 @@ def stream_policy_weights(
         own = stage == pp_rank
         gathered = (
             gather_hf_weights(
-                models, record, config, tp_group=tp_group, pp_rank=pp_rank, buffers=buffers
+                models,
+                record,
+                config,
+                tp_group=tp_group,
+                pp_rank=pp_rank,
+                buffers=buffers,
+                ep_group=ep_group,
+                expt_tp_group=expt_tp_group,
             )
             if own
             else None

@@ -49,6 +49,7 @@ def push_policy_weights(
     buckets = stream_policy_weights(
         policy.chunks, policy.record, policy.config,
         tp_group=policy.groups.parallel.tp, pp_group=policy.groups.parallel.pp,
+        ep_group=policy.groups.pg_collection.ep, expt_tp_group=policy.groups.pg_collection.expt_tp,
         bucket_bytes=bucket_bytes, buffers=buffers,
     )  # fmt: skip
     return rollout.update_weights(
