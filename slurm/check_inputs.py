@@ -29,6 +29,11 @@ from vapo_megatron.data.prompts import load_prompts  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
 from vapo_megatron.rewards.registry import resolve_routing  # noqa: E402
 from vapo_megatron.weights import hf_io  # noqa: E402
+from vapo_megatron.weights.critic import (  # noqa: E402
+    check_critic_model,
+    critic_model_config,
+    critic_model_path,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 """Any one of these makes a directory hold a tokenizer (with tokenizer_config.json or alone)."""
@@ -142,8 +147,10 @@ class Checker:
             return
         self.ok(what, detail)
 
-    def checkpoint(self, what: str, path: Path, head: str, make: str, layout) -> None:
-        """A vapo-megatron checkpoint of this model with this head; its layout is reported
+    def checkpoint(
+        self, what: str, path: Path, head: str, make: str, layout, hf: HFModelConfig | None
+    ) -> None:
+        """A vapo-megatron checkpoint of model ``hf`` with this head; its layout is reported
         (a checkpoint saved at another TP/PP loads resharded)."""
         if not path.exists():
             self.fail("MISSING", what, make)
@@ -161,8 +168,8 @@ class Checker:
             return
         try:
             meta = mckpt.load_metadata(path)
-            if self.hf is not None:
-                mckpt.check_compatible(meta, self.hf, head, path)
+            if hf is not None:
+                mckpt.check_compatible(meta, hf, head, path)
         except ValueError as err:
             self.fail("BAD", what, f"{err}; make it: {make}")
             return
@@ -182,22 +189,42 @@ class Checker:
             f"python tools/convert.py hf-to-mcore --hf {config.model.path} --out {path} "
             f"--tp {layout.tp} --pp {layout.pp}"
         )
-        self.checkpoint(f"policy.load={path}", path, "lm", make, layout)
+        self.checkpoint(f"policy.load={path}", path, "lm", make, layout, self.hf)
+
+    def critic_model(self) -> HFModelConfig | None:
+        """The critic's model: the policy's, or critic.model with the trainer's start checks
+        (its config, the policy's tokenizer, vocabulary and a long enough context)."""
+        config = self.config
+        if not config.critic.model:
+            return self.hf
+        what = f"critic.model={config.critic.model}"
+        try:
+            hf = critic_model_config(config)
+            if self.hf is not None:
+                check_critic_model(config)
+        except ValueError as err:
+            kind = "BAD" if Path(config.critic.model).exists() else "MISSING"
+            self.fail(kind, what, str(err))
+            return None
+        self.ok(what, f"{hf.family}, {hf.num_layers} layers, hidden {hf.hidden_size}")
+        return hf
 
     def critic(self) -> None:
         config = self.config
+        hf, layout = self.critic_model(), config.critic.layout
         if config.critic.pretrained:
             path = Path(config.critic.pretrained)
             make = "point it at a run's critic_pretrained directory"
-            self.checkpoint(f"critic.pretrained={path}", path, "value", make, config.critic.layout)
+            self.checkpoint(f"critic.pretrained={path}", path, "value", make, layout, hf)
             return
         if config.critic.init_path is None:
-            self.ok("critic.init_path", f"unset: the critic starts from {config.model.path}")
+            start = critic_model_path(config)
+            self.ok("critic.init_path", f"unset: the critic starts from {start}")
             return
         path = Path(config.critic.init_path)
         what = f"critic.init_path={path}"
         if path.exists():
-            self.checkpoint(what, path, "value", critic_start_help(config), config.critic.layout)
+            self.checkpoint(what, path, "value", critic_start_help(config), layout, hf)
             return
         make = critic_start_help(config)
         if self.reward_model and config.algorithm.critic_init == "reward_model":
