@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from vapo_megatron.rewards import GradeResult, dapo_math
+from vapo_megatron.rewards import GradeResult, dapo_math, long_trace
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ DEFAULT_ROUTING: Mapping[str, str] = {
     "aime25": "dapo_math",
     "aime2024": "dapo_math",
     "aime2025": "dapo_math",
+    "long_trace": "long_trace",
 }
 """data_source -> grader name. verl sends these (and any name starting with 'aime') to DAPO's grader."""
 
@@ -242,3 +243,4 @@ def _start_worker(
 
 
 register_grader("dapo_math", dapo_math.grade)
+register_grader("long_trace", long_trace.grade, wrong=long_trace.WRONG)
