@@ -1,13 +1,16 @@
 """The step's host bookkeeping at the 32B recipe's step shape, on 2 gloo ranks.
 
 Runs the trainer's own ``run_step`` (rollout gather and filtering, the scoring passes' packing,
-GAE, mini-batch packing, normalisers, metrics; the shard path by default, the flat path with
-``trainer.gae_path=flat``: ``python tools/bench_scale.py 2048 flat``) with the model compute
+GAE, the routed advantages, mini-batch packing, normalisers, metrics) with the model compute
 stubbed:
 generation returns synthetic responses of the recipe's length distribution (lognormal, capped
 at max_new_tokens; ~300-token prompts), grading is a constant-time stub, the scoring pass
 returns deterministic values, the updates do no arithmetic and weight sync is skipped. Two
-ranks form two rollout replicas and DP2 for both models.
+ranks form two rollout replicas; both models DP2 (one layout: nothing per token crosses
+ranks), or with ``--mixed`` the policy TP2 (DP1) and the critic DP2, as a smaller critic next to
+a larger policy splits the ranks: GAE runs on the critic's DP ranks and each token's advantage
+goes to both policy TP ranks over the host group (``step/routed_route.py``;
+``python tools/bench_scale.py 2048 mixed``).
 
 Bookkeeping seconds = step time - generation - grading - sync - the model stub's own time
 (``time/megatron``, as the trainer reports its schedule's compute), for the slowest rank of
@@ -84,22 +87,26 @@ def stub_grade(items, routing, *, timeout_s):
 
 
 class StubEngine:
-    """A ModelEngine with the model stubbed: DP over the world's ranks, no arithmetic."""
+    """A ModelEngine with the model stubbed, no arithmetic: DP over the world's ranks, or
+    (``tp2``) TP over them (both ranks hold every sample, DP1)."""
 
-    def __init__(self, host) -> None:
+    def __init__(self, host, *, tp2: bool = False, singles=None) -> None:
         import torch.distributed as dist
 
         from vapo_megatron.config.layout import ModelLayout
         from vapo_megatron.parallel.devices import HOST
 
         rank, world = dist.get_rank(), dist.get_world_size()
-        self.layout, self.device = ModelLayout(), HOST
-        self.dp_size, self.dp_rank, self.cp_rank, self.tp_rank = world, rank, 0, 0
+        tp = world if tp2 else 1
+        self.layout, self.device = ModelLayout(tp=tp), HOST
+        self.dp_size, self.dp_rank = world // tp, 0 if tp2 else rank
+        self.cp_rank, self.tp_rank = 0, rank if tp2 else 0
         self.is_last_stage, self.vocab_slice, self.compute_seconds = True, None, 0.0
+        dp_cp = singles[rank] if tp2 else dist.group.WORLD  # TP2: each rank its own DP group
         self.groups = SimpleNamespace(
-            world=dist.group.WORLD, host=host,
-            parallel=SimpleNamespace(dp_cp=dist.group.WORLD, cp=None),
-            tp_rank=0, pp_rank=0, cp_rank=0, dp_rank=rank, tp_size=1, pp_size=1, cp_size=1,
+            world=dist.group.WORLD, host=host, parallel=SimpleNamespace(dp_cp=dp_cp, cp=None),
+            tp_rank=self.tp_rank, pp_rank=0, cp_rank=0, dp_rank=self.dp_rank, tp_size=tp,
+            pp_size=1, cp_size=1,
         )  # fmt: skip
 
     def run(self, mbs, loss_fn, *, forward_only=False):
@@ -124,9 +131,9 @@ class StubEngine:
         return {}
 
 
-def stub_session(samples: int, path: str, host, run_dir: Path) -> SimpleNamespace:
+def stub_session(samples: int, mixed: bool, host, run_dir: Path) -> SimpleNamespace:
     """What ``run_step`` reads of a Session: the 32B recipe at ``samples`` per step, the stubs
-    above, synthetic ~300-token prompts."""
+    above (``mixed``: the policy TP2, the critic DP2), synthetic ~300-token prompts."""
     import torch.distributed as dist
 
     from vapo_megatron.config.recipe import load_recipe
@@ -135,8 +142,7 @@ def stub_session(samples: int, path: str, host, run_dir: Path) -> SimpleNamespac
     config = load_recipe(
         REPO / "recipes" / "vapo_qwen2.5_32b.yaml",
         [f"algorithm.prompts_per_step={samples // n}",
-         f"trainer.mini_batch_size={samples // 16}",  # 16 mini-batches, as at 8,192 samples
-         f"trainer.gae_path={path}"],
+         f"trainer.mini_batch_size={samples // 16}"],  # 16 mini-batches, as at 8,192 samples
     )  # fmt: skip
     prompts = [
         SimpleNamespace(
@@ -146,8 +152,10 @@ def stub_session(samples: int, path: str, host, run_dir: Path) -> SimpleNamespac
         for g in range(samples // n)
     ]
     rank, world = dist.get_rank(), dist.get_world_size()
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
     return SimpleNamespace(
-        config=config, policy=StubEngine(host), critic=StubEngine(host),
+        config=config, policy=StubEngine(host, tp2=mixed, singles=singles),
+        critic=StubEngine(host),
         rollout=StubRollout(config.rollout.max_new_tokens), rollout_synced=True,
         sampler=SimpleNamespace(next_indices=lambda count: list(range(count))),
         train=SimpleNamespace(items=prompts),
@@ -165,7 +173,7 @@ def step_row(metrics: dict[str, float]) -> dict[str, float]:
     return {"bookkeeping_s": metrics["time/step"] - excluded, **phases}
 
 
-def worker(samples: int, steps: int, path: str) -> None:
+def worker(samples: int, steps: int, mixed: bool) -> None:
     import torch
     import torch.distributed as dist
 
@@ -178,7 +186,7 @@ def worker(samples: int, steps: int, path: str) -> None:
     host = make_host_group()
     # The step saves its rollouts under run_dir: removed when this worker ends.
     run_dir = tempfile.TemporaryDirectory(prefix="bench_scale_")
-    session = stub_session(samples, path, host, Path(run_dir.name))
+    session = stub_session(samples, mixed, host, Path(run_dir.name))
     rollout.score_responses = stub_grade  # the grader is not the data path
     run.sync_weights = lambda session: {}  # nor is the weight stream (tools/bench.py sync)
     dist.barrier(host)
@@ -191,22 +199,23 @@ def worker(samples: int, steps: int, path: str) -> None:
         "rank": dist.get_rank(), "samples": int(metrics["num_samples"]),
         "response_tokens": int(metrics["response_length/mean"] * metrics["num_samples"]),
         "base_gb": base_gb, "peak_gb": rss_gb(), "steps": rows,
+        "path": session.data_path,
     }  # fmt: skip
     print("SCALE_RESULT " + json.dumps(result), flush=True)
     run_dir.cleanup()
     dist.destroy_process_group()
 
 
-def run(quick: bool = False, samples: int | None = None, path: str = "auto") -> None:
-    """``path``: trainer.gae_path (auto takes the shard path here: both stubs share one
-    layout; flat is the gather-everything path, for before/after figures)."""
+def run(quick: bool = False, samples: int | None = None, mixed: bool = False) -> None:
+    """``mixed``: the policy TP2 x the critic DP2 (the routed path) instead of both DP2 (one
+    layout: the shard path)."""
     from vapo_megatron.parallel.local_launch import run_local_ranks
 
     samples = samples or (256 if quick else 2048)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONWARNINGS"] = "ignore"
-    command = [sys.executable, __file__, "--worker", str(samples), str(STEPS), path]
+    command = [sys.executable, __file__, "--worker", str(samples), str(STEPS), str(int(mixed))]
     start = time.perf_counter()
     outputs = run_local_ranks(command, 2, timeout=1800, env=env, cwd=REPO)
     wall = time.perf_counter() - start
@@ -223,9 +232,11 @@ def run(quick: bool = False, samples: int | None = None, path: str = "auto") -> 
     # A step takes as long as its slowest rank; the best of the steps after the first (which
     # pays one-time costs) is the code's cost, the others add the shared machine's noise.
     per_step = [max(r["steps"][k]["bookkeeping_s"] for r in results) for k in range(STEPS)]
+    layouts = "policy TP2 x critic DP2" if mixed else "DP2 both"
+    path = results[0]["path"]
     best = min(range(1, STEPS), key=per_step.__getitem__)
     print(f"{samples} samples per step, {results[0]['response_tokens']:,} response tokens, "
-          f"2 gloo ranks (DP2), trainer.gae_path={path}; steps 2-{STEPS} took "
+          f"2 gloo ranks ({layouts}), {path} path; steps 2-{STEPS} took "
           + ", ".join(f"{t:.2f}" for t in per_step[1:])
           + f" s, best is step {best + 1}; wall {wall:.0f} s")  # fmt: skip
     print(
@@ -250,7 +261,8 @@ def run(quick: bool = False, samples: int | None = None, path: str = "auto") -> 
                 "samples": STEP_SAMPLES,
                 "response_tokens": round(results[0]["response_tokens"] * scale),
                 "measured_samples": results[0]["samples"],
-                "gae_path": path,
+                "path": path,
+                "mixed": mixed,
                 "steps_s": [round(t * scale, 2) for t in per_step[1:]],
             }
         )
@@ -259,9 +271,9 @@ def run(quick: bool = False, samples: int | None = None, path: str = "auto") -> 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        worker(int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4])))
     else:
         run(
             samples=int(sys.argv[1]) if len(sys.argv) > 1 else None,
-            path=sys.argv[2] if len(sys.argv) > 2 else "auto",
+            mixed=len(sys.argv) > 2 and sys.argv[2] == "mixed",
         )

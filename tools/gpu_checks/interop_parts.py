@@ -10,8 +10,8 @@ from gpu_checks.frame import Skipped, check
 from gpu_checks.tiny import LOGIT_TOLERANCE, TOKEN_BUDGET
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.batching import FLAT_INDEX, build_samples, micro_batches
-from vapo_megatron.step.flat_route import score_flat
 from vapo_megatron.step.losses import logprob_scoring_fn
+from vapo_megatron.step.scoring import score_flat
 from vapo_megatron.weights.stream import stream_plan, stream_policy_weights
 
 

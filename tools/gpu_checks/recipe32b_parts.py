@@ -4,7 +4,7 @@
 the distributed optimizer, ``overlap_grad_reduce`` and ``overlap_param_gather``, and full
 recompute (block method). Here the tiny model is built that way (CP 1, world 1) from the
 same weights as the plain engines, and takes several steps through the step's own public
-functions: ``choose_path``, ``step_share``, ``ShardRoute.score`` and
+functions: ``choose_path``, ``step_share``, ``RoutedRoute.score`` and
 ``advantages_and_metrics`` (both models' scoring and GAE on this rank's samples),
 ``update_minibatch`` (critic then policy on micro-batches
 packed once), and ``gather_params`` as the weight sync calls it.
@@ -35,8 +35,9 @@ from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.advantages import advantages_and_metrics
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
+from vapo_megatron.step.routed_route import RoutedRoute
 from vapo_megatron.step.scoring import StepInputs, StepModels, choose_path
-from vapo_megatron.step.shard_route import ShardRoute, step_share
+from vapo_megatron.step.shard_route import step_share
 from vapo_megatron.step.updates import UpdateData, minibatch_indices, update_minibatch
 from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights.critic import critic_from_policy
@@ -105,7 +106,7 @@ def shard_step(ctx: Context, *, count_layer_calls: bool = False) -> dict:
     (checked: finite, weights moved)."""
     policy, critic, step = ctx.shard_policy, ctx.shard_critic, ctx.step
     start = time.perf_counter()
-    choice = choose_path([policy, critic], requested="auto", host_group=ctx.host)
+    choice = choose_path([policy, critic], host_group=ctx.host)
     check(choice.name == "shards", f"the step took the {choice.name} path: {choice.reason}")
     ctx.shard_steps_done += 1
     prompts, responses = step.ragged()
@@ -117,11 +118,11 @@ def shard_step(ctx: Context, *, count_layer_calls: bool = False) -> dict:
     rewards = torch.tensor(step.rewards, dtype=torch.float32, device=HOST)
     # The plain engines' first scoring stands in for the rollout's log-probs: the gap metric
     # is then how far this step's policy has moved from the initial weights.
-    route = ShardRoute(share, ctx.host)
     models = StepModels(
         policy, critic, logprob_fn=logprob_scoring_fn(policy.vocab_slice, temperature=1.0),
         value_fn=value_scoring_fn(),
     )  # fmt: skip
+    route = RoutedRoute(models, {"policy": share, "critic": share}, ctx.host, path=choice)
     inputs = StepInputs(prompts, responses, rewards, ctx.old_logprobs)
     scored = route.score(
         models, inputs, algo=ctx.algo, monte_carlo=False, token_budget=TOKEN_BUDGET

@@ -22,9 +22,10 @@ from vapo_megatron.parallel.model_groups import (
     seed_rng_tracker,
 )
 from vapo_megatron.step import advantages as adv
-from vapo_megatron.step.flat_route import FlatRoute, score_flat
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
-from vapo_megatron.step.scoring import TokenFields
+from vapo_megatron.step.routed_route import RoutedRoute
+from vapo_megatron.step.scoring import PathChoice, StepModels, TokenFields, score_flat
+from vapo_megatron.step.shard_route import step_share
 from vapo_megatron.step.token_sums import TokenSums
 from vapo_megatron.step.updates import UpdateData, update_minibatch
 from vapo_megatron.trainer.session import init_distributed
@@ -112,9 +113,9 @@ def scoring(ctx: Context, numbers: dict) -> None:
 
 
 def flat_update_data(ctx: Context, numbers: dict) -> UpdateData:
-    """The step's update inputs on the flat path: old log-probs and values from the scoring
-    part (placeholders if it failed, so the updates still run), advantages and returns over
-    the step's flat tokens as the trainer's flat path computes them."""
+    """The step's update inputs on one GPU (one DP rank holds the whole step, in flat order):
+    old log-probs and values from the scoring part (placeholders if it failed, so the
+    updates still run), advantages and returns over the step's tokens."""
     step = ctx.step
     values, old_logprobs = ctx.values, ctx.old_logprobs
     if values is None or old_logprobs is None:
@@ -131,12 +132,17 @@ def flat_update_data(ctx: Context, numbers: dict) -> UpdateData:
         "advantages": adv.whiten(advantages, TokenSums(None, None)), "returns": returns,
     }  # fmt: skip
     prompts, responses = step.ragged()
+    everything = torch.arange(len(step.rewards), dtype=torch.long, device=HOST)
+    share = step_share([everything], step.token_counts(), responses.lengths(), dp_size=1, dp_rank=0)
     return UpdateData(
         prompts=prompts, responses=responses,
         fields=TokenFields(offsets[:-1].tolist(), arrays),
         positive=[reward > 0 for reward in step.rewards],
         trainable_policy=[True] * len(step.rewards),
-        route=FlatRoute(step.token_counts(), offsets),
+        route=RoutedRoute(
+            StepModels(ctx.policy, ctx.critic), {"policy": share, "critic": share}, None,
+            path=PathChoice("shards", "one GPU: one DP rank holds every sample"),
+        ),
     )  # fmt: skip
 
 

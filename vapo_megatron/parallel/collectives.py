@@ -114,6 +114,34 @@ def all_gather_varlen(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     return out
 
 
+def all_to_all_varlen(
+    pieces: list[torch.Tensor], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Piece k of ``pieces`` (1-D, one per rank of ``group``, in group-rank order, one dtype)
+    to group rank k; returns the pieces every rank sent to this one, in rank order.
+
+    The lengths go first (an all-to-all of one int64 per rank), then one
+    ``all_to_all_single`` with uneven splits (gloo and NCCL both take it): each byte goes only
+    to the rank it is for, unlike :func:`all_gather_varlen`. Used over the host group by the
+    step's routed outputs (``step/routed_route.py``).
+    """
+    world = dist.get_world_size(group)
+    if len(pieces) != world:
+        raise ValueError(f"all_to_all_varlen needs one piece per rank ({world}), got {len(pieces)}")
+    for piece in pieces:
+        check_device(piece, group, "all_to_all_varlen")
+    if world == 1:
+        return [pieces[0].clone()]
+    x = torch.cat(pieces)
+    sizes = torch.tensor([p.numel() for p in pieces], dtype=torch.long, device=x.device)
+    incoming = torch.empty_like(sizes)
+    dist.all_to_all_single(incoming, sizes, group=group)
+    send, recv = sizes.tolist(), incoming.tolist()
+    out = x.new_empty(sum(recv))
+    dist.all_to_all_single(out, x, recv, send, group=group)
+    return list(out.split(recv))
+
+
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Every rank's ``x`` (same shape everywhere), in rank order."""
     check_device(x, group, "all_gather")

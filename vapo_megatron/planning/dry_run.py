@@ -21,11 +21,12 @@ allocated. The figures are then read from the built objects:
   fake backend that strategy's metadata exchange (``all_gather_object``) returns nothing,
   so each peer of the group is built as well and its shard list handed in as the exchange
   would have: the plan is megatron's own, computed on the peers' real shard lists;
-- **data**: the data path a VAPO step takes at this rank (``shard_path.choose_path`` on the
-  built engines) and the model's share of a synthetic step of the recipe's shape
+- **data**: the data path a VAPO step takes at this rank (``scoring.choose_path`` on the
+  built engines: "shards" on one layout, "routed" where the critic's advantages go to the
+  policy's owners) and the model's share of a synthetic step of the recipe's shape
   (prompts_per_step x samples_per_prompt samples, seeded lengths up to
-  data.max_prompt_tokens + rollout.max_new_tokens): on the shard path the samples it owns for
-  the step (``shard_path.step_share``), else ``batching.dp_share``; and its micro-batches
+  data.max_prompt_tokens + rollout.max_new_tokens): the samples its DP rank owns for the
+  step (``shard_route.step_share`` over that model's DP size), and its micro-batches
   (``batching.plan_micro_batches``).
 
 Beside each byte figure stands the planner's (``planning/memory.py``, what
@@ -113,8 +114,8 @@ class RankReport:
     replica_prompts: int
     """Prompts of the step that replica generates."""
     data_path: str = ""
-    """Where the scoring passes' per-token outputs live (``shard_path.choose_path``): "shards"
-    or "flat", with the reason."""
+    """Whether per-token outputs cross ranks (``scoring.choose_path``): "shards" or "routed",
+    with the reason."""
     models: list[ModelFigures] = field(default_factory=list)
 
 
@@ -325,34 +326,30 @@ def synthetic_token_counts(config: TrainConfig) -> list[int]:
 
 
 def data_path(config: TrainConfig, engines: dict) -> tuple[str, str]:
-    """(path, reason) a VAPO step takes at this rank (``shard_path.choose_path`` on the built
+    """(path, reason) a VAPO step takes at this rank (``scoring.choose_path`` on the built
     engines; the agreement over ranks is a no-op under the fake backend)."""
     from vapo_megatron.step.scoring import choose_path
 
     scorers = [engines[role] for role in _roles(config)]
-    choice = choose_path(scorers, requested=config.trainer.gae_path, host_group=dist.group.WORLD)
+    choice = choose_path(scorers, host_group=dist.group.WORLD)
     return choice.name, choice.reason
 
 
 def _data_share(config: TrainConfig, engine, counts: list[int], path: str) -> dict[str, int]:
-    """This DP rank's share of the synthetic step: on the shard path the samples it owns for
-    the whole step (the first epoch's mini-batches split by tokens), else ``dp_share`` of the
-    whole step (what the flat path's scoring pass packs)."""
+    """This DP rank's share of the synthetic step: the samples it owns for the whole step
+    (the first epoch's mini-batches split by tokens over this model's DP size; ``path`` does
+    not change it)."""
     from vapo_megatron.data.packing import Sample
-    from vapo_megatron.step.batching import dp_share, plan_micro_batches
+    from vapo_megatron.step.batching import plan_micro_batches
+    from vapo_megatron.step.shard_route import step_share
+    from vapo_megatron.step.updates import minibatch_indices
 
-    if path == "shards":
-        from vapo_megatron.step.shard_route import step_share
-        from vapo_megatron.step.updates import minibatch_indices
-
-        num_minibatches = max(1, len(counts) // config.trainer.mini_batch_size)
-        parts = minibatch_indices(len(counts), num_minibatches, config.trainer.seed * 1_000_003)
-        lengths = torch.tensor(counts, dtype=torch.long, device=HOST)  # the ids ignore it
-        share = step_share(
-            parts, counts, lengths, dp_size=engine.dp_size, dp_rank=engine.dp_rank
-        ).ids.tolist()
-    else:
-        share = dp_share(counts, engine.dp_size, engine.dp_rank)
+    num_minibatches = max(1, len(counts) // config.trainer.mini_batch_size)
+    parts = minibatch_indices(len(counts), num_minibatches, config.trainer.seed * 1_000_003)
+    lengths = torch.tensor(counts, dtype=torch.long, device=HOST)  # the ids ignore it
+    share = step_share(
+        parts, counts, lengths, dp_size=engine.dp_size, dp_rank=engine.dp_rank
+    ).ids.tolist()
     # Shapes only: the planner reads lengths, so the tokens stay on meta.
     samples = [
         Sample(prompt=torch.empty(1, device=META), response=torch.empty(counts[i] - 1, device=META))

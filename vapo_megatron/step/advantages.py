@@ -1,15 +1,15 @@
 """Step 6: rewards and the critic's values of the tokens a rank holds -> advantages, critic
-targets and the step's statistics, written once for both output routes (``step/scoring.py``).
+targets and the step's statistics, on the critic's owners (``step/routed_route.py``).
 
 The reward sits at each response's last token (the state after it is terminal, value 0); GAE
 uses lambda_policy(l) per sequence for advantages and lambda_critic for returns; critic
 pretraining's targets are the Monte-Carlo returns (lambda = gamma = 1); the group estimator
 (GRPO/DAPO) broadcasts each sample's group-normalised score over its tokens. Where a rank
-holds whole sequences (the flat route: the whole step; the shard route without CP: its own
-samples) GAE is one packed scan over them; under CP ``gae_on_cp_shards`` runs it on the
-critic's context-parallel shards during scoring, with one carry per sequence across CP ranks.
-The statistics are float64 sums over the counted tokens (``step/token_sums.py``), so both
-routes give the same numbers.
+holds whole sequences (its own samples without CP, or reassembled under CP with PP) GAE is
+one packed scan over them; under CP without PP ``gae_on_cp_shards`` runs it on the critic's
+context-parallel shards during scoring, with one carry per sequence across CP ranks. The
+advantages then go to the policy's side (``Scored.to_policy``). The statistics are float64
+sums over the counted tokens (``step/token_sums.py``), so any split gives the same numbers.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.parallel.cp_gae import gae_context_parallel_packed
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.batching import FLAT_INDEX
-from vapo_megatron.step.scoring import Scored, StepInputs, TokenFields
+from vapo_megatron.step.scoring import Scored, Side, StepInputs, TokenFields
 from vapo_megatron.step.token_sums import (
-    HeldTokens,
     TokenSums,
     critic_metrics,
     lambda_metrics,
@@ -182,59 +181,78 @@ def advantages_and_metrics(
 ) -> tuple[TokenFields, dict[str, float]]:
     """Advantages and returns of the tokens ``scored`` holds, and the step's statistics.
 
-    With the critic's values: GAE (``monte_carlo``: critic pretraining's Monte-Carlo returns,
-    no advantages) where the held values are whole sequences (else the route ran it on the
-    CP shards); without them: the group estimator. ``whiten_advantages``: advantages to zero mean and
-    unit std over the step. Returns the per-token fields the updates read and the metrics
-    (global: the same on every rank). Collective over the sums' group."""
-    arrays, held, sums = scored.arrays, scored.held, scored.sums
-    lengths = inputs.responses.offsets.diff()
-    has_values = "old_values" in arrays
-    if has_values and scored.whole_sequences:  # one packed scan over the held samples
-        rewards, offsets = inputs.rewards[held.ids], held.offsets(lengths)
-        if monte_carlo:
-            arrays["returns"] = monte_carlo_returns(rewards, arrays["old_values"], offsets)
-        else:
-            arrays["advantages"], arrays["returns"], _ = gae_advantages(
-                algo, rewards, arrays["old_values"], offsets
-            )
-    if not has_values and "old_logprobs" in arrays:  # the group estimator: a number per sample
+    With the critic: on its side, GAE (``monte_carlo``: critic pretraining's Monte-Carlo
+    returns, no advantages) where the held values are whole sequences (else the route ran it
+    on the CP shards), whitening (``whiten_advantages``: zero mean, unit std over the step),
+    then the advantages handed to the policy's side (``scored.to_policy``); without it: the
+    group estimator on the policy's side. Returns the per-token fields the updates read and
+    the metrics (global: the same on every rank). Collective over the sums' group."""
+    policy, critic = scored.policy, scored.critic
+    metrics: dict[str, float] = {}
+    if critic is not None:
+        arrays = critic.arrays
+        if critic.whole_sequences:  # one packed scan over the held samples
+            held = critic.held
+            rewards = inputs.rewards[held.ids]
+            offsets = held.offsets(inputs.responses.offsets.diff())
+            if monte_carlo:
+                arrays["returns"] = monte_carlo_returns(rewards, arrays["old_values"], offsets)
+            else:
+                arrays["advantages"], arrays["returns"], _ = gae_advantages(
+                    algo, rewards, arrays["old_values"], offsets
+                )
+        _whiten_and_measure(algo, critic, inputs, metrics, whitened=whiten_advantages)
+        if policy is not None and "advantages" in arrays:
+            policy.arrays["advantages"] = scored.to_policy(arrays["advantages"])
+    elif policy is not None:  # the group estimator: a number per sample
+        lengths = inputs.responses.offsets.diff()
+        held = policy.held
         per_sample = group_sample_advantages(algo, inputs.rewards)
-        arrays["advantages"] = torch.repeat_interleave(
+        policy.arrays["advantages"] = torch.repeat_interleave(
             per_sample[held.ids], lengths[held.ids], output_size=held.num_tokens
         )
-    if "advantages" in arrays and whiten_advantages:
-        arrays["advantages"] = whiten(arrays["advantages"], sums)
-    return TokenFields(held.start, arrays), step_statistics(
-        algo, arrays, held, inputs, sums, monte_carlo=monte_carlo
-    )
-
-
-def step_statistics(
-    algo: AlgoConfig,
-    arrays: dict[str, torch.Tensor],
-    held: HeldTokens,
-    inputs: StepInputs,
-    sums: TokenSums,
-    *,
-    monte_carlo: bool,
-) -> dict[str, float]:
-    """The rollout/trainer log-prob gap, lambda_policy's range, the critic's explained
-    variance and means, and the advantages' mean and std, over the step's tokens."""
-    offsets = inputs.responses.offsets
-    total = int(offsets[-1])
-    metrics: dict[str, float] = {}
-    if "old_logprobs" in arrays and inputs.rollout_logprobs is not None:
-        gap = logprob_gap_sum(inputs.rollout_logprobs, arrays["old_logprobs"], held, offsets, sums)
-        (gap_sum,) = sums.total([gap])
+        _whiten_and_measure(algo, policy, inputs, metrics, whitened=whiten_advantages)
+    if policy is not None and inputs.rollout_logprobs is not None:
+        total = int(inputs.responses.offsets[-1])
+        gap = logprob_gap_sum(
+            inputs.rollout_logprobs, policy.arrays["old_logprobs"], policy.held,
+            inputs.responses.offsets, policy.sums,
+        )  # fmt: skip
+        (gap_sum,) = policy.sums.total([gap])
         metrics["rollout/logprob_gap"] = gap_sum.item() / total
+    return _token_fields(critic, policy), metrics
+
+
+def _whiten_and_measure(
+    algo: AlgoConfig, side: Side, inputs: StepInputs, metrics: dict[str, float], *, whitened: bool
+) -> None:
+    """Whitens ``side``'s advantages (``whitened``), and adds the critic's statistics (where it
+    holds values) and the advantages' mean and std to ``metrics``."""
+    arrays, sums = side.arrays, side.sums
+    offsets = inputs.responses.offsets
+    if "advantages" in arrays and whitened:
+        arrays["advantages"] = whiten(arrays["advantages"], sums)
     if "old_values" in arrays:
-        if not monte_carlo:
+        if "advantages" in arrays:  # not critic pretraining
             lam_policy, _ = gae_lambdas(algo, offsets.diff())
             metrics.update(lambda_metrics(lam_policy))
-        metrics.update(critic_metrics(sums, arrays["returns"], arrays["old_values"], total))
+        metrics.update(
+            critic_metrics(sums, arrays["returns"], arrays["old_values"], int(offsets[-1]))
+        )
     if "advantages" in arrays:
         mean, std = sums.mean_std(arrays["advantages"])
         metrics["advantages/mean"] = mean
         metrics["advantages/std"] = std
-    return metrics
+
+
+def _token_fields(critic: Side | None, policy: Side | None) -> TokenFields:
+    """The fields the updates read: each side's arrays at its own starts (the policy's
+    advantages, not the critic's, where both exist)."""
+    arrays: dict[str, torch.Tensor] = {}
+    starts: dict[str, list[int]] = {}
+    for side in (critic, policy):
+        if side is not None:
+            arrays.update(side.arrays)
+            starts.update(dict.fromkeys(side.arrays, side.held.start))
+    lead = policy if policy is not None else critic
+    return TokenFields(lead.held.start, arrays, starts)

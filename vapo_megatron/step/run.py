@@ -11,9 +11,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from vapo_megatron.step.advantages import advantages_and_metrics
-from vapo_megatron.step.flat_route import FlatRoute
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
 from vapo_megatron.step.rollout import rollout_metrics, step_rollouts
+from vapo_megatron.step.routed_route import RoutedRoute
 from vapo_megatron.step.scoring import (
     OutputRoute,
     StepInputs,
@@ -21,7 +21,7 @@ from vapo_megatron.step.scoring import (
     TokenFields,
     choose_path,
 )
-from vapo_megatron.step.shard_route import ShardRoute, step_share
+from vapo_megatron.step.shard_route import step_share
 from vapo_megatron.step.timing import Timer
 from vapo_megatron.step.trajectories import Trajectories
 from vapo_megatron.step.updates import UpdateData, epoch_minibatches, run_updates
@@ -103,12 +103,13 @@ def step_models(session: Session, *, pretrain: bool) -> StepModels:
 def output_route(
     session: Session, models: StepModels, trajectories: Trajectories, step: int
 ) -> OutputRoute:
-    """The shard route where the scoring models share one layout (each DP rank owns the
-    first epoch's share of each mini-batch for the whole step), else the flat route. Logged
-    when it changes (``session.data_path``). Collective over the host group."""
+    """Each scoring model's DP ranks own the first epoch's share of each mini-batch for the
+    whole step (split by tokens over that model's DP size); where the two models' owners
+    differ the critic's advantages are routed to the policy's (``step/routed_route.py``).
+    Logged when the path changes (``session.data_path``). Collective over the host group."""
     cfg = session.config
     scorers = models.scorers()
-    choice = choose_path(scorers, requested=cfg.trainer.gae_path, host_group=session.host_group)
+    choice = choose_path(scorers, host_group=session.host_group)
     if session.data_path != choice.name:
         logger.info(
             "step %d: per-token outputs on the %s path: %s", step, choice.name, choice.reason
@@ -116,17 +117,16 @@ def output_route(
         session.data_path = choice.name
     responses = trajectories.responses
     token_counts = (trajectories.prompts.lengths() + responses.lengths()).tolist()
-    if choice.name == "flat":
-        return FlatRoute(token_counts, responses.offsets)
-    lead = scorers[-1]
-    share = step_share(
-        epoch_minibatches(
-            len(trajectories), _num_minibatches(session), seed=cfg.trainer.seed, step=step,
-            epoch=0,
-        ),
-        token_counts, responses.lengths(), dp_size=lead.dp_size, dp_rank=lead.dp_rank,
-    )  # fmt: skip
-    return ShardRoute(share, session.host_group)
+    parts = epoch_minibatches(
+        len(trajectories), _num_minibatches(session), seed=cfg.trainer.seed, step=step, epoch=0
+    )
+    lengths = responses.lengths()
+    shares = {
+        role: step_share(parts, token_counts, lengths, dp_size=e.dp_size, dp_rank=e.dp_rank)
+        for role, e in (("policy", models.policy), ("critic", models.critic))
+        if e is not None
+    }
+    return RoutedRoute(models, shares, session.host_group, path=choice)
 
 
 def update_models(

@@ -1,25 +1,25 @@
-"""Step 5, the scoring pass (no grad), and the two routes by which its per-token outputs
-reach the rank that trains on them.
+"""Step 5, the scoring pass (no grad), and the route by which its per-token outputs reach
+the ranks that train on them.
 
-The policy gives each response token's old log-prob, the critic its value. A route
-(``OutputRoute``) runs the passes and leaves this rank holding some samples' outputs
-(``HeldTokens``) with the sums that count each token once over the job (``TokenSums``):
+The policy gives each response token's old log-prob, the critic its value. Each model's
+data-parallel rank owns samples for the whole step (the first epoch's mini-batches, each split
+by token counts over that model's DP size: ``shard_route.step_share``) and scores, keeps and
+trains on them. GAE runs where the values are, on the critic's owners (``step/advantages.py``):
+the critic's targets (returns) stay there; the policy's advantages go to the policy's owners,
+which differ only where the two models split the ranks differently
+(``step/routed_route.py``: one all-to-all over the host group). Where both models share one
+layout (``choose_path`` says "shards") the owners coincide and nothing per token crosses
+ranks; otherwise ("routed") only the advantages do, each to the ranks that train on its sample.
 
-- the shard route (``step/shard_route.py``, where the models that score the step share one
-  layout): data-parallel rank d scores, keeps and trains on its own samples for the whole
-  step; nothing per token crosses ranks;
-- the flat route (``step/flat_route.py``, where the layouts differ, or CP with PP): every
-  token's outputs gathered to every rank by ``flat_index``; each rank holds the whole step.
-
-Everything after scoring (GAE, returns, group advantages, whitening, the statistics) is
-written once, over the held tokens (``step/advantages.py``). ``choose_path`` decides the
-route, and says why.
+A route (``OutputRoute``) runs the passes and leaves this rank a ``Scored``: per model a
+``Side`` (the held samples' outputs and the sums that count each token once over the job),
+and the hand-over of the critic's per-token arrays to the policy's side.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -28,55 +28,53 @@ import torch.distributed as dist
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.step.batching import Ragged
+from vapo_megatron.step.batching import (
+    FLAT_INDEX,
+    Ragged,
+    build_samples,
+    dp_share,
+    micro_batches,
+    response_offsets,
+    row_lengths,
+)
 from vapo_megatron.step.token_sums import HeldTokens, TokenSums
 from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
-
-GAE_PATHS = ("auto", "shards", "flat")
 
 
 @dataclass(frozen=True)
 class PathChoice:
     name: str
-    """"shards" or "flat"."""
+    """"shards" (one layout: nothing per token crosses ranks) or "routed" (the critic's
+    advantages go to the policy's owners)."""
     reason: str
 
 
 def choose_path(
-    engines: Sequence[ModelEngine], *, requested: str, host_group: dist.ProcessGroup | None
+    engines: Sequence[ModelEngine], *, host_group: dist.ProcessGroup | None
 ) -> PathChoice:
-    """Where the step's per-token outputs live. ``engines``: the models that score this step
-    (policy and/or critic). ``requested``: trainer.gae_path. Collective over ``host_group``
-    (every rank takes the same path)."""
-    if requested not in GAE_PATHS:
-        raise ValueError(f"trainer.gae_path must be one of {GAE_PATHS}, got {requested!r}")
+    """Whether the step's scorers (policy and/or critic) own the same samples at the same
+    coordinates on every rank ("shards") or the critic's advantages must be routed to the
+    policy's owners ("routed"), and why. Collective over ``host_group`` (every rank takes the
+    same path)."""
     lead = engines[0]
     reason = ""
-    if requested == "flat":
-        reason = "trainer.gae_path=flat"
-    elif any(e.layout != lead.layout for e in engines):
+    if any(e.layout != lead.layout for e in engines):
         reason = (
-            f"the policy's layout {engines[0].layout} and the critic's {engines[-1].layout} "
-            "differ: each token's values go to the rank that trains on it"
+            f"the policy's layout {engines[0].layout} and the critic's {engines[-1].layout} differ"
         )
     elif any(_coordinates(e) != _coordinates(lead) for e in engines):
         reason = "the models place this rank at different (tp, pp, cp, dp) coordinates"
-    elif lead.layout.cp > 1 and lead.layout.pp > 1:
-        reason = (
-            f"cp={lead.layout.cp} with pp={lead.layout.pp}: the pipeline pads every row to one "
-            "length, which moves a row's last sequence's CP chunks between micro-batches"
-        )
     agree = torch.tensor([0 if reason else 1], dtype=torch.int64, device=HOST)
     collectives.all_reduce(agree, host_group, op=dist.ReduceOp.MIN)
     if not reason and not bool(agree):
-        reason = "another rank cannot take the shard path"
+        reason = "another rank's models sit at different coordinates"
     if reason:
-        if requested == "shards":
-            raise ValueError(
-                f"trainer.gae_path=shards is not possible here: {reason}; set "
-                "trainer.gae_path=auto (or flat)"
-            )
-        return PathChoice("flat", reason)
+        return PathChoice(
+            "routed",
+            f"{reason}: each model scores and trains on its own DP ranks' samples (policy "
+            f"dp={engines[0].dp_size}, critic dp={engines[-1].dp_size}), GAE runs on the "
+            "critic's, and each token's advantage goes to the policy's rank that trains on it",
+        )
     layout = lead.layout
     return PathChoice(
         "shards",
@@ -93,17 +91,20 @@ def _coordinates(engine: ModelEngine) -> tuple[int, ...]:
 @dataclass
 class TokenFields:
     """Per-response-token arrays of the step's samples as this rank holds them, and where
-    each sample's tokens start in them: the whole step in flat order (flat path), or this DP
-    rank's samples end to end (shard path)."""
+    each sample's tokens start in them: a model's DP rank's samples end to end."""
 
     start: list[int]
     """Per sample of the step: its first token's position in the arrays (only the samples
     this rank holds are valid)."""
     arrays: dict[str, torch.Tensor]
+    starts: dict[str, list[int]] = field(default_factory=dict)
+    """Per array name, its own ``start`` where it differs (the policy's arrays sit in the
+    policy's owners' buffers, the critic's in the critic's)."""
 
     def of(self, name: str, i: int, length: int) -> torch.Tensor:
         """Array ``name`` over sample ``i``'s ``length`` response tokens."""
-        return self.arrays[name][self.start[i] : self.start[i] + length]
+        start = self.starts.get(name, self.start)[i]
+        return self.arrays[name][start : start + length]
 
 
 @dataclass
@@ -135,8 +136,8 @@ class StepModels:
 
 
 @dataclass
-class Scored:
-    """A route's scoring outputs on this rank."""
+class Side:
+    """One model's (or both models', on one layout) scoring outputs on this rank."""
 
     held: HeldTokens
     """The samples whose tokens the arrays cover."""
@@ -148,13 +149,29 @@ class Scored:
     whole_sequences: bool
     """The held values are whole sequences here, for GAE to scan (False: it ran on the CP
     shards during scoring, or this pipeline stage holds no outputs)."""
+    held_mask: torch.Tensor | None = None
+    """[held.num_tokens] bool: the positions this rank's scoring wrote (its CP chunks)."""
+
+
+@dataclass
+class Scored:
+    """A route's scoring outputs on this rank."""
+
+    policy: Side | None
+    """The policy's old log-probs on its owners' samples (None in critic pretraining)."""
+    critic: Side | None
+    """The critic's values on its owners' samples (None without a critic); the same object
+    as ``policy`` where both share one layout."""
+    to_policy: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    """A per-token array of the critic's side -> the same tokens on the policy's side (the
+    advantages; collective over the host group). The identity on one layout."""
 
 
 class OutputRoute(Protocol):
     """How the scoring passes' per-token outputs reach the ranks that train on them."""
 
     name: str
-    """"shards" or "flat" (trainer.gae_path)."""
+    """"shards" or "routed" (``choose_path``)."""
     packs_once: bool
     """Both models train on the same samples of one layout: pack once for both."""
 
@@ -174,3 +191,56 @@ class OutputRoute(Protocol):
         """The samples of mini-batch ``chosen`` that ``engine``'s data-parallel rank trains on
         (whose fields this rank holds), in ``chosen``'s order."""
         ...
+
+
+def score_flat(
+    engine: ModelEngine,
+    prompts: Sequence[list[int]] | Ragged,
+    responses: Sequence[list[int]] | Ragged,
+    *,
+    scoring_fn: LossFn,
+    output_key: str,
+    token_budget: int,
+) -> torch.Tensor:
+    """``output_key`` of ``scoring_fn`` for every response token of the step: [N] float32 in
+    flat order (sample by sample, token by token), on every rank. A reference for checks and
+    tests (the GPU checks, the packing tests): the step itself never gathers every token to
+    every rank. ``prompts`` and ``responses``: one row of token ids per sample (lists, or
+    ``Ragged`` flat buffers)."""
+    response_lengths = row_lengths(responses)
+    offsets = response_offsets(response_lengths)
+    total = int(offsets[-1])
+    token_counts = [p + r for p, r in zip(row_lengths(prompts), response_lengths, strict=True)]
+    mine = dp_share(token_counts, engine.dp_size, engine.dp_rank)
+    samples = build_samples(prompts, responses, mine, offsets)
+    mbs = micro_batches(
+        samples, engine.layout, cp_rank=engine.cp_rank, token_budget=token_budget,
+        field_names=[FLAT_INDEX],
+    )  # fmt: skip
+    outputs = engine.run(mbs, scoring_fn, forward_only=True)
+    # Gathered on the model's device over the world group (NCCL on GPU), back to the host once.
+    device = engine.device
+    index_parts, value_parts = [], []
+    index_dtype = torch.int32 if total < 2**31 else torch.long
+    if engine.is_last_stage and engine.tp_rank == 0:
+        for mb, out in zip(mbs, outputs, strict=True):
+            mask = mb.response_mask.to(device)
+            index_parts.append(mb.fields[FLAT_INDEX].to(device)[mask].to(index_dtype))
+            value_parts.append(out[output_key][mask].to(torch.float32))
+    index = (
+        torch.cat(index_parts) if index_parts else torch.zeros(0, dtype=index_dtype, device=device)
+    )
+    value = torch.cat(value_parts) if value_parts else torch.zeros(0, device=device)
+    world = engine.groups.world
+    index = collectives.all_gather_varlen(index, world).to(HOST)
+    value = collectives.all_gather_varlen(value, world).to(HOST)
+    seen = torch.zeros(total, dtype=torch.bool, device=HOST)
+    seen[index] = True  # with index.numel() == total, all seen <=> each token exactly once
+    if index.numel() != total or not bool(seen.all()):
+        raise RuntimeError(
+            f"scoring pass covered {index.numel()} of {total} response tokens on rank "
+            f"{dist.get_rank()} (layout {engine.layout}): every token must be scored once"
+        )
+    flat = torch.zeros(total, dtype=torch.float32, device=HOST)
+    flat[index] = value
+    return flat

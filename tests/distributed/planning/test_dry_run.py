@@ -69,8 +69,8 @@ def test_tiny_dry_run_equals_a_real_two_rank_build(assets: list[str], tmp_path: 
             if len(have["groups"]["dp_cp"]) == 1:  # nothing to balance: the planner is exact
                 assert written == have["planned_bytes"]["checkpoint"], (rank, role)
     # The tiny policy is TP 2 (each rank its own half), the critic DP 2 (replicas split):
-    # layouts that differ take the flat data path.
-    assert dry[0]["data_path"] == dry[1]["data_path"] == "flat"
+    # layouts that differ route the critic's advantages to the policy's owners.
+    assert dry[0]["data_path"] == dry[1]["data_path"] == "routed"
     assert dry[0]["policy"]["groups"]["tp"] == [0, 1]
     assert dry[0]["critic"]["groups"]["dp"] == [0, 1]
 

@@ -1,8 +1,9 @@
-"""The trainer's step on the shard path (each data-parallel rank scores, runs GAE on its
-critic's CP shards and trains on its own samples) equals the flat path (every token gathered
-to every rank): the same metrics and the same updated weights, at DP2, CP2, PP2, DP2 x CP2 and
-TP2 (sequence parallel) x CP2, and DP4 with two samples (ranks that own none); critic
-pretraining and GRPO too (see the worker's docstring)."""
+"""The trainer's step on the routed data path (each model trains on its own DP ranks' samples,
+GAE on the critic's, advantages sent to the policy's owners) equals a single-rank reference of
+the same step: the same metrics and the same updated weights, at policy TP2 x critic DP2, policy
+PP2 x critic CP2, policy DP4 x critic TP2 with two samples (ranks that own none), one layout at
+DP2, CP2 x PP2 (shards reassembled) and TP2 (sequence parallel) x CP2 (GAE on the shards);
+critic pretraining and GRPO too (see the worker's docstring)."""
 
 from pathlib import Path
 
@@ -15,10 +16,12 @@ WORKER = Path(__file__).parent / "workers" / "shard_path_worker.py"
 
 
 @pytest.mark.parametrize(
-    "world,cases", [(2, ["dp2", "cp2", "pp2"]), (4, ["dp2cp2", "tp2sp_cp2", "dp4_few"])]
+    "world,cases",
+    [(2, ["tp2_x_dp2", "pp2_x_cp2", "dp2"]), (4, ["dp4_few", "cp2pp2", "tp2sp_cp2"])],
 )
-def test_shard_path_equals_flat_path(world, cases, tmp_path):
-    outputs = run_workers(WORKER, world, ",".join(cases), str(tmp_path), timeout=420)
+def test_routed_step_equals_single_rank_reference(world, cases, tmp_path):
+    run_workers(WORKER, 1, "ref", ",".join(cases), str(tmp_path), timeout=300)
+    outputs = run_workers(WORKER, world, "run", ",".join(cases), str(tmp_path), timeout=420)
     text = "\n".join(outputs)
     for case in cases:
         assert f"{case} vapo: " in text

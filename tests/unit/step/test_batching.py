@@ -23,8 +23,8 @@ from vapo_megatron.step.batching import (
     micro_batches,
     response_offsets,
 )
-from vapo_megatron.step.flat_route import score_flat
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
+from vapo_megatron.step.scoring import score_flat
 from vapo_megatron.step.token_sums import TokenSums
 
 pytestmark = pytest.mark.unit

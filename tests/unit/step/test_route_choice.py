@@ -1,8 +1,10 @@
-"""Which data path a step takes (``scoring.choose_path``), and which samples a DP rank owns
-(``step_share``). The equality of the two paths is held by tests/distributed/step/test_shard_path.py."""
+"""Which data path a step takes (``scoring.choose_path``: nothing per token crosses ranks, or
+the critic's advantages are routed), and which samples a DP rank owns (``step_share``). The
+routed step against a single-rank reference: tests/distributed/step/test_shard_path.py."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,40 +41,42 @@ def engine(layout: ModelLayout, world: int, rank: int = 0):
 @pytest.mark.parametrize(
     "recipe,world", [("vapo_qwen2.5_32b.yaml", 128), ("vapo_qwen2.5_7b.yaml", 8)]
 )
-def test_the_paper_recipes_take_the_shard_path(recipe, world):
+def test_the_paper_recipes_route_nothing_per_token(recipe, world):
     config = load_recipe(RECIPES / recipe)
     policy = engine(config.policy.layout, world)
     critic = engine(config.critic.layout, world)
-    choice = choose_path([policy, critic], requested="auto", host_group=None)
+    choice = choose_path([policy, critic], host_group=None)
     assert choice.name == "shards", choice.reason
-    assert config.trainer.gae_path == "auto"
 
 
-def test_differing_layouts_fall_back_and_say_why():
+def test_differing_layouts_route_and_say_why():
     config = load_recipe(RECIPES / "tiny_cpu.yaml")
     engines = [engine(config.policy.layout, 2), engine(config.critic.layout, 2)]
-    choice = choose_path(engines, requested="auto", host_group=None)
-    assert choice.name == "flat" and "differ" in choice.reason
-    with pytest.raises(ValueError, match="trainer.gae_path=shards is not possible here.*differ"):
-        choose_path(engines, requested="shards", host_group=None)
+    choice = choose_path(engines, host_group=None)
+    assert choice.name == "routed" and "differ" in choice.reason
+    assert "policy dp=1, critic dp=2" in choice.reason
     # One model alone (critic pretraining, GRPO) always has one layout.
-    assert choose_path(engines[1:], requested="auto", host_group=None).name == "shards"
+    assert choose_path(engines[1:], host_group=None).name == "shards"
 
 
-def test_cp_with_pp_falls_back():
+def test_cp_with_pp_needs_no_other_path():
     layout = ModelLayout(pp=2, cp=2)
-    choice = choose_path([engine(layout, 8), engine(layout, 8)], requested="auto", host_group=None)
-    assert choice.name == "flat" and "pads every row" in choice.reason
+    choice = choose_path([engine(layout, 8), engine(layout, 8)], host_group=None)
+    assert choice.name == "shards", choice.reason
 
 
-def test_flat_on_request_and_bad_values():
-    layout = ModelLayout()
-    assert choose_path([engine(layout, 2)], requested="flat", host_group=None).name == "flat"
-    with pytest.raises(ValueError, match="gae_path must be one of"):
-        choose_path([engine(layout, 2)], requested="gather", host_group=None)
-    config = load_recipe(RECIPES / "tiny_cpu.yaml", ["trainer.gae_path=sharded"])
-    with pytest.raises(ValueError, match="trainer.gae_path must be auto, shards or flat"):
-        config.check(world_size=2)  # the trainer's start-up check
+def test_gae_path_is_removed(caplog):
+    """A recipe asking for a path by name is refused, naming the removal; "auto" (the old
+    default, in earlier runs' resolved configs) loads with a deprecation warning."""
+    for value in ("flat", "shards"):
+        config = load_recipe(RECIPES / "tiny_cpu.yaml", [f"trainer.gae_path={value}"])
+        with pytest.raises(ValueError, match="trainer.gae_path=.*removed.*delete trainer.gae_path"):
+            config.check(world_size=2)  # the trainer's start-up check
+    config = load_recipe(RECIPES / "tiny_cpu.yaml", ["trainer.gae_path=auto"])
+    with caplog.at_level(logging.WARNING, logger="vapo_megatron"):
+        config.check(world_size=2)
+    assert "trainer.gae_path is deprecated and ignored" in caplog.text
+    assert load_recipe(RECIPES / "tiny_cpu.yaml").trainer.gae_path is None
 
 
 def test_step_share_owns_each_sample_once_balanced_per_minibatch():
@@ -82,7 +86,7 @@ def test_step_share_owns_each_sample_once_balanced_per_minibatch():
     shares = [step_share(parts, counts, lengths, dp_size=2, dp_rank=r) for r in range(2)]
     ids = [s.ids.tolist() for s in shares]
     assert sorted(ids[0] + ids[1]) == list(range(8))
-    for part in parts:  # each mini-batch split by tokens, as the flat path splits it
+    for part in parts:  # each mini-batch split by tokens
         loads = [sum(counts[i] for i in s.mine(part.tolist(), r)) for r, s in enumerate(shares)]
         assert abs(loads[0] - loads[1]) <= max(counts[i] for i in part.tolist())
     for share in shares:  # local buffers: this rank's samples' response tokens end to end
@@ -91,3 +95,5 @@ def test_step_share_owns_each_sample_once_balanced_per_minibatch():
             sum(int(lengths[j]) for j in share.ids.tolist()[:k]) for k in range(len(starts))
         ]
         assert share.num_tokens == int(lengths[share.ids].sum())
+    owner_start = [int(shares[r].owner_start[i]) for i in range(8) for r in [shares[0].owners[i]]]
+    assert owner_start == [shares[shares[0].owners[i]].start[i] for i in range(8)]

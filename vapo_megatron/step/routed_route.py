@@ -1,0 +1,219 @@
+"""The step's one data path, for any pair of layouts: each model scores and trains on its own
+samples, GAE runs where the values are, and only the advantages travel, each token to the
+ranks that train the policy on it.
+
+Data flow of one VAPO step (``step/run.py`` calls these in order):
+
+1. Owners, once per step (``shard_route.step_share``): for each model, the first epoch's
+   mini-batches, each split over *that model's* DP ranks by token counts
+   (``batching.dp_owners``). Policy DP rank p(i) and critic DP rank c(i) own sample i for the
+   whole step; every rank computes both maps (they depend only on the step's token counts).
+   Two models of one DP size get the same map.
+2. Scoring (``shard_route.score_share``): the policy's DP rank p(i) scores i's old log-probs,
+   the critic's DP rank c(i) its values, each into local buffers of its own samples (under
+   CP: this CP rank's chunks; under CP with PP reassembled to whole sequences). On one layout
+   both passes share one packing.
+3. GAE on the critic's owners (``step/advantages.py``): on c(i)'s ranks, whole sequences
+   (one packed scan) or under CP without PP on the CP shards as the values come out
+   (``gae_on_cp_shards``: one carry per sequence crosses CP ranks). The returns, the critic's
+   targets, stay where the critic trains; the statistics and the whitening are float64 sums
+   over the host group, each token counted once.
+4. Advantages to the policy's owners (``AdvantageExchange``, where p and c differ): one
+   all-to-all over the host group. Each token's advantage is sent once per receiving rank by
+   one critic rank: the last pipeline stage's first TP rank of c(i), each CP rank its own
+   chunks (under CP with PP, CP rank 0 of the reassembled sequences); it goes to every rank
+   of p(i)'s last pipeline stage (each TP rank computes the loss; each CP rank gets the whole
+   sequence, as an update's packing picks its chunks), and to no other rank. A message is the
+   values and their int32 positions in the receiver's buffer (every rank knows where each
+   sample sits in its owner's buffer: ``StepShare.owner_start``). The receiver checks that
+   each of its tokens arrived exactly once.
+5. Updates (``step/updates.py``): each model's DP rank trains on its own samples of each
+   mini-batch (``mine``); the critic reads old values and returns from its side, the policy
+   old log-probs and advantages from its own (``TokenFields.starts``).
+
+Host group rather than device: the advantages are host bookkeeping before and after (GAE,
+whitening and packing run on the host), so a device all-to-all would add a host-to-device and
+a device-to-host copy of every token on both ends; the host all-to-all moves each byte once.
+On one layout (``choose_path`` says "shards") every map coincides and ``to_policy`` is the
+identity: nothing per token crosses ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from vapo_megatron.algorithms.config import AlgoConfig
+from vapo_megatron.parallel import collectives
+from vapo_megatron.parallel.devices import HOST
+from vapo_megatron.step.advantages import monte_carlo_config
+from vapo_megatron.step.batching import gather_index
+from vapo_megatron.step.scoring import (
+    PathChoice,
+    Scored,
+    Side,
+    StepInputs,
+    StepModels,
+)
+from vapo_megatron.step.shard_route import ScoringPass, StepShare, score_share
+from vapo_megatron.trainer.model_engine import ModelEngine
+
+
+class RoutedRoute:
+    """Each model's DP rank scores, holds and trains on its ``shares`` entry ("policy",
+    "critic"); the critic's advantages go to the policy's owners where the shares differ."""
+
+    def __init__(
+        self,
+        models: StepModels,
+        shares: dict[str, StepShare],
+        host_group: dist.ProcessGroup | None,
+        *,
+        path: PathChoice,
+    ) -> None:
+        self.models, self.shares, self.host_group = models, shares, host_group
+        self.name = path.name
+        self.packs_once = path.name == "shards"
+        self.routed_tokens = 0
+        """Advantages this rank sent to other ranks in the step."""
+
+    def mine(self, engine: ModelEngine, chosen: Sequence[int]) -> list[int]:
+        role = "policy" if engine is self.models.policy else "critic"
+        return self.shares[role].mine(chosen, engine.dp_rank)
+
+    def score(
+        self,
+        models: StepModels,
+        inputs: StepInputs,
+        *,
+        algo: AlgoConfig,
+        monte_carlo: bool,
+        token_budget: int,
+    ) -> Scored:
+        """Both passes on their owners' samples (under CP without PP, GAE with ``algo``, or
+        critic pretraining's Monte-Carlo targets with ``monte_carlo``, on the critic's
+        shards). Collective over the models' groups and the host group."""
+        passes = {}
+        if models.policy is not None:
+            passes["policy"] = ScoringPass(
+                "old_logprobs", models.policy, models.logprob_fn, "logprobs"
+            )
+        if models.critic is not None:
+            # Temperature is the policy's; the critic's values are never divided by it.
+            passes["critic"] = ScoringPass("old_values", models.critic, models.value_fn, "values")
+        gae_algo = monte_carlo_config() if monte_carlo else algo
+        kwargs = dict(
+            gae_algo=gae_algo, monte_carlo=monte_carlo, token_budget=token_budget,
+            host_group=self.host_group,
+        )  # fmt: skip
+        if self.name == "shards" or len(passes) == 1:  # one share: one packing for both
+            role = "critic" if "critic" in passes else "policy"
+            side = score_share(list(passes.values()), self.shares[role], inputs, **kwargs)
+            return Scored(
+                side if "policy" in passes else None, side if "critic" in passes else None
+            )
+        policy = score_share([passes["policy"]], self.shares["policy"], inputs, **kwargs)
+        critic = score_share([passes["critic"]], self.shares["critic"], inputs, **kwargs)
+        exchange = AdvantageExchange(
+            self.shares["policy"], self.shares["critic"], critic, models,
+            inputs.responses.offsets.diff(), self.host_group,
+        )  # fmt: skip
+        self.routed_tokens = exchange.sent_elsewhere
+        return Scored(policy, critic, to_policy=exchange.send)
+
+
+class AdvantageExchange:
+    """Moves a per-token array from the critic's owners to the policy's (step 4 of the module
+    docstring). The positions travel once, when it is made; ``send`` moves the values.
+    Collective over ``host_group`` (its ranks are the world's)."""
+
+    def __init__(
+        self,
+        policy_share: StepShare,
+        critic_share: StepShare,
+        critic_side: Side,
+        models: StepModels,
+        response_lengths: torch.Tensor,
+        host_group: dist.ProcessGroup | None,
+    ) -> None:
+        policy, critic = models.policy, models.critic
+        self.host_group, self.num_tokens = host_group, policy_share.num_tokens
+        # Who receives: every rank of each policy DP rank's last pipeline stage.
+        mine = torch.tensor(
+            [policy.dp_rank, int(policy.is_last_stage)], dtype=torch.long, device=HOST
+        )
+        ranks = torch.stack(collectives.all_gather(mine, host_group)).tolist()
+        layout = critic.layout
+        sends = (
+            critic.is_last_stage
+            and critic.tp_rank == 0
+            and (layout.pp == 1 or critic.cp_rank == 0)  # CP with PP: reassembled on each
+        )
+        per_dp = self._positions(
+            policy_share, critic_share, critic_side, response_lengths, policy.dp_size, sends
+        )
+        empty = (torch.zeros(0, dtype=torch.long, device=HOST),) * 2
+        pieces = [per_dp[d] if last else empty for d, last in ranks]
+        self.src = [src for src, _ in pieces]
+        me = dist.get_rank(host_group)
+        self.sent_elsewhere = sum(s.numel() for r, s in enumerate(self.src) if r != me)
+        index_dtype = torch.int32 if self.num_tokens < 2**31 else torch.long
+        received = collectives.all_to_all_varlen(
+            [dst.to(index_dtype) for _, dst in pieces], host_group
+        )
+        self.dst = torch.cat(received).long()
+        if policy.is_last_stage:
+            self._check_coverage(policy)
+
+    @staticmethod
+    def _positions(
+        policy_share: StepShare,
+        critic_share: StepShare,
+        critic_side: Side,
+        response_lengths: torch.Tensor,
+        policy_dp: int,
+        sends: bool,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per policy DP rank d: (positions in this rank's critic buffers, positions in d's
+        policy buffers) of the tokens this rank sends it."""
+        empty = torch.zeros(0, dtype=torch.long, device=HOST)
+        if not sends:
+            return [(empty, empty)] * policy_dp
+        ids = critic_share.ids
+        lengths = response_lengths[ids]
+        local = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+        owners = torch.tensor(policy_share.owners, dtype=torch.long, device=HOST)[ids]
+        shift = policy_share.owner_start[ids] - local[:-1]
+        held = critic_side.held_mask
+        out = []
+        for d in range(policy_dp):
+            rows = (owners == d).nonzero().squeeze(1)
+            src = gather_index(local, rows)
+            dst = src + torch.repeat_interleave(shift[rows], lengths[rows], output_size=src.numel())
+            if held is not None and not bool(held.all()):  # CP chunks: only the held ones
+                keep = held[src]
+                src, dst = src[keep], dst[keep]
+            out.append((src, dst))
+        return out
+
+    def _check_coverage(self, policy: ModelEngine) -> None:
+        seen = torch.zeros(self.num_tokens, dtype=torch.bool, device=HOST)
+        seen[self.dst] = True
+        if self.dst.numel() != self.num_tokens or not bool(seen.all()):
+            raise RuntimeError(
+                f"the policy's rank {dist.get_rank()} (dp_rank {policy.dp_rank}) was sent "
+                f"{self.dst.numel()} advantages for its {self.num_tokens} response tokens "
+                f"({int(seen.sum())} distinct): each must come exactly once"
+            )
+
+    def send(self, critic_array: torch.Tensor) -> torch.Tensor:
+        """``critic_array`` ([critic buffer], this rank's critic side) -> [policy buffer] of
+        this rank's policy side (zeros off the last pipeline stage)."""
+        pieces = [critic_array[src].to(torch.float32) for src in self.src]
+        received = collectives.all_to_all_varlen(pieces, self.host_group)
+        out = torch.zeros(self.num_tokens, dtype=torch.float32, device=HOST)
+        if self.dst.numel():
+            out[self.dst] = torch.cat(received)
+        return out
