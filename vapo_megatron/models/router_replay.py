@@ -1,0 +1,142 @@
+"""Routing replay (R3) with megatron-core 0.16.1's ``RouterReplay``, one instance set per model.
+
+megatron (``transformer/moe/router_replay.py``): a ``TopKRouter`` built with
+``moe_enable_routing_replay`` owns a ``RouterReplay``; ``moe_utils.topk_routing_with_score_function``
+asks it for the top-k (``get_replay_topk``): RECORD computes and keeps the top-k indices,
+REPLAY_FORWARD uses the indices last given by ``set_target_indices``, REPLAY_BACKWARD pops
+them in the order they were given (the recompute of a checkpointed layer in the backward
+pass sees its micro-batches in forward order, also under 1F1B). The probabilities of replayed
+experts are the router's own scores gathered at them, so the router still gets gradients.
+megatron keeps *every* instance in one process-global list (``global_router_replay_instances``,
+in construction order) and its static setters act on all of them: with the policy and the
+critic in one process the two models would take each other's routes.
+
+``ModelRouterReplay`` therefore takes one model's instances out of that list (making them for
+routers built without the flag), and drives only them. Its instances decide on their own
+whether a call is the forward or the recompute in the backward pass (inside the autograd
+engine, ``torch._C._current_graph_task_id() != -1``), so one setting serves the scoring pass
+(forward only), the update's forward and its backward under full or selective recompute.
+
+Routes handed in are this micro-batch's tokens as the router sees them (the packed row of
+this CP rank, in order; with sequence parallelism this TP rank's slice): [tokens, layers,
+top_k] over the model's *global* layers (``router.layer_number - 1``), int, -1 where a token
+has no recorded route (the last response token, padding): those tokens keep the trainer's own
+top-k. While routes are set, each instance counts how many of the given experts the
+trainer's own top-k also picked (the agreement metric), with replay on or off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+
+class _ModelReplay(RouterReplay):
+    """One router's replay state; not in megatron's global list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        RouterReplay.global_router_replay_instances.remove(self)
+        self.replay = False
+        self.agree = torch.zeros(2, dtype=torch.float64)  # [matches, given experts]
+
+    def get_replay_topk(
+        self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
+    ):
+        if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+            return super().get_replay_topk(
+                scores, topk, num_groups, group_topk, default_compute_topk
+            )
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and not self.replay:  # compare-only: nothing to keep in step
+            return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        target = self.replay_backward_list.pop(0) if in_backward else self.target_topk_idx
+        probs, own = default_compute_topk(
+            scores, topk, num_groups=num_groups, group_topk=group_topk
+        )
+        target = target.to(device=scores.device, dtype=own.dtype)
+        if target.shape != own.shape:
+            raise ValueError(
+                f"routes of shape {tuple(target.shape)} for a router that sees "
+                f"{tuple(own.shape)} (tokens, top_k): the routes must be this micro-batch's "
+                "tokens as the router sees them (this CP rank's row, this TP rank's slice under SP)"
+            )
+        given = (target >= 0).all(-1, keepdim=True)
+        if not in_backward:
+            with torch.no_grad():
+                hits = (target[:, :, None] == own[:, None, :]).any(-1) & given
+                self.agree += torch.stack([hits.sum(), given.sum() * topk]).to("cpu", torch.float64)
+        if not self.replay:
+            return probs, own
+        top = torch.where(given, target, own)
+        return scores.gather(1, top), top
+
+
+class ModelRouterReplay:
+    """The replay instances of one model's routers (every chunk of it on this rank)."""
+
+    def __init__(self, model_chunks: Sequence[torch.nn.Module]) -> None:
+        self.routers = [m for c in model_chunks for m in c.modules() if isinstance(m, TopKRouter)]
+        if not self.routers:
+            raise ValueError("routing replay needs an MoE model; this one has no router")
+        ours = set()
+        for router in self.routers:
+            if router.router_replay is not None:  # built with moe_enable_routing_replay
+                ours.add(id(router.router_replay))
+            router.router_replay = _ModelReplay()
+        # Routers built with the flag put an instance in megatron's global list; it is unused now.
+        global_list = RouterReplay.global_router_replay_instances
+        global_list[:] = [r for r in global_list if id(r) not in ours]
+        self.layers = [router.layer_number - 1 for router in self.routers]
+        self.top_k = self.routers[0].topk
+
+    @property
+    def instances(self) -> list[_ModelReplay]:
+        return [router.router_replay for router in self.routers]
+
+    def set_routes(self, routes: torch.Tensor, *, replay: bool) -> None:
+        """Routes [tokens, layers, top_k] (global layers; -1: none) for the next forward (and
+        its recompute in the backward pass). ``replay`` False: the trainer routes on its own
+        and only the agreement is counted. Appends: call once per micro-batch, in order."""
+        if routes.dim() != 3 or routes.shape[2] != self.top_k:
+            raise ValueError(
+                f"routes must be [tokens, layers, top_k={self.top_k}], got {tuple(routes.shape)}"
+            )
+        for instance, layer in zip(self.instances, self.layers, strict=True):
+            instance.replay = replay
+            instance.set_target_indices(routes[:, layer])
+            instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def record(self) -> None:
+        """Keep the top-k each router computes in the next forward (``recorded``)."""
+        for instance in self.instances:
+            instance.set_router_replay_action(RouterReplayAction.RECORD)
+
+    def recorded(self, num_layers: int) -> torch.Tensor:
+        """The last recorded forward's routes, int16 [tokens, num_layers, top_k] on the host;
+        layers of other pipeline stages are -1."""
+        tops = [instance.get_recorded_indices() for instance in self.instances]
+        if any(top is None for top in tops):
+            raise RuntimeError("no routes recorded: call record() before the forward")
+        out = torch.full((tops[0].shape[0], num_layers, self.top_k), -1, dtype=torch.int16)
+        for top, layer in zip(tops, self.layers, strict=True):
+            out[:, layer] = top.to("cpu", torch.int16)
+        return out
+
+    def clear(self) -> None:
+        """Back to the router's own top-k; drops routes (the agreement counts stay)."""
+        for instance in self.instances:
+            instance.clear_indices()
+            instance.clear_router_replay_action()
+
+    def take_agreement(self) -> torch.Tensor:
+        """[matches, given] float64 summed over this rank's routers since the last call: the
+        share of the given experts the trainer's own top-k also picked is their ratio."""
+        total = torch.zeros(2, dtype=torch.float64)
+        for instance in self.instances:
+            total += instance.agree
+            instance.agree.zero_()
+        return total
