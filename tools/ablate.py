@@ -34,6 +34,7 @@ from vapo_megatron.train import quiet_dependencies  # noqa: E402
 
 quiet_dependencies()
 
+from ablate_report import write_report  # noqa: E402
 from demo import DEFAULT_RECIPE, pass_rate, prepare_assets  # noqa: E402
 from plot_curves import read_metrics  # noqa: E402
 
@@ -90,8 +91,10 @@ def scaled_algorithm(name: str, config: TrainConfig) -> dict[str, object]:
     if preset.get("overlong_buffer_len"):
         share = preset["overlong_buffer_len"] / PAPER_MAX_NEW_TOKENS
         out["overlong_buffer_len"] = max(1, round(share * config.rollout.max_new_tokens))
-    if preset.get("advantage_estimator", "gae") == "gae":
-        out["critic_init"] = "policy"  # no reward model exists for the tiny task
+    if preset.get("advantage_estimator", "gae") == "gae" and not config.critic.init_path:
+        # The demo's task has no reward model; the long-trace recipe (recipes/ablation_long.yaml)
+        # names its own, and the presets that start from one (vapo, ppo, vc_ppo) keep it.
+        out["critic_init"] = "policy"
     return out
 
 
@@ -166,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, help="VAPO steps per run (default: the recipe's)")
     parser.add_argument("--out", type=Path, default=Path("runs/ablate"))
+    parser.add_argument("--json", type=Path, help="also write the report (ablate_report.py) here")
+    parser.add_argument("--png", type=Path, help="held-out curves per row (default OUT/curves.png)")
     parser.add_argument("overrides", nargs="*", help="section.key=value for every run")
     args = parser.parse_args(argv)
     names = [name for name, _ in ROWS]
@@ -187,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides += ["trainer.checkpoint_every=0", "trainer.export_hf=false"]
     try:
         config = load_recipe(args.recipe, overrides)
-        prepare_assets(config)
+        if config.model.create_tiny:
+            prepare_assets(config)
+        elif not (Path(config.model.path) / "config.json").is_file():
+            raise ValueError(f"model.path={config.model.path} holds no model; build it first")
         plans = {
             name: _algorithm_overrides(scaled_algorithm(VARIANTS.get(name, name), config))
             + variant_overrides(name, config)
@@ -213,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ablate: {err}", file=sys.stderr)
                 return 1
             results.setdefault(name, []).append(result)
+            # After every run, so an interrupted sweep keeps what it has (OUT/report.*).
+            write_report(args.out, dict(ROWS), json_path=args.json,
+                         png_path=args.png or args.out / "curves.png")  # fmt: skip
             print(
                 f"ablate: {name} seed {seed}: {100 * result['pass_rate_after']:.1f} points after "
                 f"{result['steps']} steps, {result['seconds']:.0f} s",

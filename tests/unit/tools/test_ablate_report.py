@@ -1,0 +1,89 @@
+"""tools/ablate_report.py on fake per-seed runs: finals, mean, sd, start, diagnostics, the
+table, the JSON, the curves; unfinished runs listed and left out (issue 29)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import pytest
+
+from tests.launcher import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+from ablate_report import report, table, write_report  # noqa: E402  (tools/ is not a package)
+
+pytestmark = pytest.mark.unit
+
+
+def fake_run(run_dir, *, evals, steps, finished=True, ev=0.1, values=0.5, returns=-0.2):
+    """metrics.jsonl as the trainer writes it (phase, step, metrics), summary.json when finished."""
+    run_dir.mkdir(parents=True)
+    rows = [{"phase": "critic_pretrain", "step": s, "critic/explained_variance": -0.5}
+            for s in (1, 2, 3)]  # fmt: skip
+    for step in range(1, steps + 1):
+        rows.append({"phase": "train", "step": step, "critic/explained_variance": ev * step,
+                     "critic/values_mean": values, "critic/returns_mean": returns,
+                     "response_length/mean": 100.0 + step, "policy/clip_frac_high": 0.01,
+                     "policy/clip_frac_low": 0.002, "response_length/clip_frac": 0.0})  # fmt: skip
+    for step, rate in evals.items():
+        rows.append({"phase": "eval", "step": step, "avg@2": rate, "avg@2/stderr": 0.03,
+                     "num_prompts": 200})  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if finished:
+        (run_dir / "summary.json").write_text(json.dumps({"steps": steps, "seconds": 12.5}))
+
+
+def test_report_from_fake_seeds(tmp_path):
+    out = tmp_path / "sweep"
+    finals = {1: 0.40, 2: 0.46, 3: 0.43}
+    for seed, final in finals.items():
+        fake_run(out / "vapo" / f"seed_{seed}", evals={0: 0.30, 5: 0.35, 10: final}, steps=10)
+    fake_run(out / "grpo" / "seed_1", evals={0: 0.30, 10: 0.38}, steps=10, ev=float("nan"))
+    fake_run(out / "grpo" / "seed_2", evals={0: 0.30}, steps=4, finished=False)
+    rows = report(out, {"vapo": "VAPO", "grpo": "GRPO"})
+
+    vapo = rows["vapo"]
+    assert vapo["row"] == "VAPO" and vapo["preset"] == "vapo" and vapo["seeds"] == [1, 2, 3]
+    assert vapo["finals"] == [40.0, 46.0, 43.0]
+    assert vapo["mean"] == pytest.approx(43.0)
+    assert vapo["sd"] == pytest.approx(statistics.stdev([40.0, 46.0, 43.0]), abs=0.01)
+    assert vapo["start"] == pytest.approx(30.0) and vapo["steps"] == 10
+    assert vapo["critic_pretrain_steps"] == 3 and vapo["paper_aime24"] == 60
+    diag = vapo["diagnostics"]
+    # Fifths of 10 steps: steps 1-2 and 9-10.
+    assert diag["explained_variance"] == {"first_fifth": pytest.approx(0.15),
+                                          "last_fifth": pytest.approx(0.95)}  # fmt: skip
+    assert diag["value_bias"]["first_fifth"] == pytest.approx(0.7)
+    assert diag["response_length"]["last_fifth"] == pytest.approx(109.5)
+    assert vapo["curves"]["2"] == {"0": 30.0, "5": 35.0, "10": 46.0}
+
+    grpo = rows["grpo"]
+    assert grpo["seeds"] == [1] and grpo["unfinished"] == [2] and grpo["sd"] is None
+    assert "explained_variance" not in grpo["diagnostics"]  # NaN (no critic) is left out
+
+    text = table(rows)
+    assert "| VAPO | `vapo` | 43.0 ± 3.0 | 3 | 30.0 | 10 + 3 critic | 0.15 -> 0.95 |" in text
+    assert "| GRPO | `grpo` | 38.0 | 1 |" in text
+
+
+def test_write_report_files(tmp_path):
+    out = tmp_path / "sweep"
+    fake_run(out / "ppo" / "seed_1", evals={0: 0.3, 4: 0.2}, steps=4)
+    json_path, png_path = tmp_path / "ablation.json", tmp_path / "curves.png"
+    write_report(out, {"ppo": "Vanilla PPO"}, json_path=json_path, png_path=png_path,
+                 meta={"recipe": "recipes/ablation_long.yaml"})  # fmt: skip
+    document = json.loads(json_path.read_text())
+    assert document["recipe"] == "recipes/ablation_long.yaml"
+    row = document["rows"]["ppo"]
+    assert (row["row"], row["finals"], row["mean"], row["start"], row["steps"]) == (
+        "Vanilla PPO",
+        [20.0],
+        20.0,
+        30.0,
+        4,
+    )
+    assert json.loads((out / "report.json").read_text()) == document
+    assert (out / "report.md").read_text().startswith("| run |")
+    assert png_path.stat().st_size > 1000

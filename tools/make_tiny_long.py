@@ -1,0 +1,159 @@
+"""Writes the long-trace task (issue 29): its splits, the warmed-up tiny policy and its reward model.
+
+    python tools/make_tiny_long.py OUT_DIR [--seed 0] [--warmup-steps N] [--slip-rate X]
+        [--orm-prompts N] [--orm-steps N] [--n-train 2000] [--n-eval 200] [--eval-prompts 200]
+
+OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (``data/long_trace.py``, graded by the long_trace
+verifier), OUT_DIR/model (tokenizer + Qwen2ForCausalLM warmed up on slipping traces) and
+OUT_DIR/reward_model (Qwen2ForSequenceClassification: the policy's trunk and a scalar head
+trained on the policy's own samples with the verifier's score at the last token only;
+``data/tiny_long.py``). Prints one JSON line: sizes, seconds, the policy's pass rates (greedy
+and temperature 1) and response lengths on the eval split, and the reward model's fit on fresh
+samples of the eval prompts (sign accuracy at the last token, and its value at the first
+response token against the mean score, the bias value pretraining removes). Like
+tools/make_tiny.py, OUT_DIR/stamp.json records the parameters and a rerun with the same ones
+does nothing. vapo_megatron/data/tiny_long holds the output of the stamp's command; the
+recipes recipes/ablation_long*.yaml read it from there. Convert the reward model for a critic
+with ``tools/convert.py hf-to-mcore --hf OUT_DIR/reward_model --out DIR --critic-from
+reward-model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from make_tiny import sha256  # noqa: E402
+
+STAMP_VERSION = 1
+"""Bump when the task, tokenizer or models change, so old outputs are rebuilt."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=3000)
+    parser.add_argument("--slip-rate", type=float, default=0.04, help="warm-up lines that slip")
+    parser.add_argument("--orm-prompts", type=int, default=1024, help="train prompts sampled")
+    parser.add_argument("--orm-steps", type=int, default=400)
+    parser.add_argument("--n-train", type=int, default=2000)
+    parser.add_argument("--n-eval", type=int, default=200)
+    parser.add_argument("--eval-prompts", type=int, default=200)
+    args = parser.parse_args(argv)
+    if not 0 < args.orm_prompts <= args.n_train:
+        parser.error(
+            f"--orm-prompts must be in 1..--n-train ({args.n_train}), got {args.orm_prompts}"
+        )
+    return args
+
+
+def policy_measures(model_dir: Path, rows: list[dict], seed: int) -> dict[str, float]:
+    """The policy's pass rates (greedy, T = 1) and T = 1 response lengths on ``rows``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vapo_megatron.data.tiny_long import sample
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    greedy = sample(model, tokenizer, rows, temperature=0.0, seed=seed)
+    hot = sample(model, tokenizer, rows, temperature=1.0, seed=seed)
+    lengths = [s["response_tokens"] for s in hot]
+    return {
+        "pass_rate_greedy": statistics.mean(s["acc"] for s in greedy),
+        "pass_rate_t1": statistics.mean(s["acc"] for s in hot),
+        "t1_response_tokens_mean": statistics.mean(lengths),
+        "t1_response_tokens_max": max(lengths),
+        "t1_response_tokens_sd": statistics.pstdev(lengths),
+    }
+
+
+def reward_model_measures(orm_dir: Path, model_dir: Path, rows: list[dict], seed: int) -> dict:
+    """The reward model on fresh T = 1 samples of ``rows``: how often the sign of its value at
+    the last token is the verifier's, and its mean value at the first response token and at
+    the last against the mean score."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from vapo_megatron.data.tiny_long import sample, token_values
+
+    policy = AutoModelForCausalLM.from_pretrained(model_dir)
+    orm = AutoModelForSequenceClassification.from_pretrained(orm_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    samples = sample(policy, tokenizer, rows, temperature=1.0, seed=seed + 100)
+    first, last, right = [], [], 0
+    for s in samples:
+        values = token_values(orm, s["ids"])
+        first.append(values[s["prompt_tokens"]].item())
+        last.append(values[-1].item())
+        right += (last[-1] > 0) == (s["score"] > 0)
+    return {
+        "orm_last_token_sign_accuracy": right / len(samples),
+        "orm_value_first_response_token_mean": statistics.mean(first),
+        "orm_value_last_token_mean": statistics.mean(last),
+        "orm_eval_score_mean": statistics.mean(s["score"] for s in samples),
+    }
+
+
+def build(args: argparse.Namespace) -> dict:
+    """Writes everything into args.out_dir; returns the result line."""
+    from vapo_megatron.data.long_trace import make_splits, read_rows
+    from vapo_megatron.data.tiny_long import write_long_policy, write_reward_model
+
+    out_dir: Path = args.out_dir
+    start, start_cpu = time.perf_counter(), time.process_time()
+    train_path, eval_path = make_splits(out_dir, args.n_train, args.n_eval, args.seed)
+    model_dir, orm_dir = out_dir / "model", out_dir / "reward_model"
+    warm = write_long_policy(model_dir, train_path=train_path, seed=args.seed,
+                             warmup_steps=args.warmup_steps, slip_rate=args.slip_rate)  # fmt: skip
+    warm_seconds = time.perf_counter() - start
+    orm = write_reward_model(orm_dir, policy_dir=model_dir, seed=args.seed,
+                             rows=read_rows(train_path)[: args.orm_prompts],
+                             steps=args.orm_steps)  # fmt: skip
+    eval_rows = read_rows(eval_path)[: args.eval_prompts]
+    return {
+        "model": str(model_dir), "reward_model": str(orm_dir),
+        "model_mb": round((model_dir / "model.safetensors").stat().st_size / 2**20, 2),
+        "model_sha256": sha256(model_dir / "model.safetensors"),
+        "reward_model_sha256": sha256(orm_dir / "model.safetensors"),
+        "train_sha256": sha256(train_path), "eval_sha256": sha256(eval_path),
+        "warmup_loss": round(warm["loss"], 4), "warmup_seconds": round(warm_seconds, 1),
+        **{f"orm_{k}": round(v, 4) for k, v in orm.items()},
+        **{k: round(v, 4) for k, v in policy_measures(model_dir, eval_rows, args.seed).items()},
+        **{k: round(v, 4) for k, v in
+           reward_model_measures(orm_dir, model_dir, eval_rows, args.seed).items()},
+        "seconds": round(time.perf_counter() - start, 1),
+        "cpu_seconds": round(time.process_time() - start_cpu, 1),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    params = {"version": STAMP_VERSION, **{k: v for k, v in vars(args).items() if k != "out_dir"}}
+    stamp_path = args.out_dir / "stamp.json"
+    outputs = ("model/config.json", "reward_model/config.json", "train.jsonl", "eval.jsonl")
+    if stamp_path.exists() and all((args.out_dir / p).exists() for p in outputs):
+        stamp = json.loads(stamp_path.read_text())
+        if stamp["params"] == params:
+            print(json.dumps({**stamp["result"], "reused": True}))
+            return
+    result = build(args)
+    command = "python tools/make_tiny_long.py OUT_DIR " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in params.items() if k != "version"
+    )
+    stamp_path.write_text(
+        json.dumps({"params": params, "result": result, "command": command}, indent=2) + "\n"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
