@@ -29,6 +29,7 @@ from vapo_megatron.checkpoint.directory import (
     step_dir_name,
 )
 from vapo_megatron.checkpoint.files import dist_load, load_object
+from vapo_megatron.checkpoint.model import METADATA_NAME, check_compatible, load_metadata
 from vapo_megatron.checkpoint.optimizer_state import load_optimizer, sub_optimizers
 from vapo_megatron.checkpoint.rng import set_rng_state
 from vapo_megatron.checkpoint.state import TrainableState, sharded_state
@@ -104,6 +105,7 @@ def _check_compatible(
             f"{sorted(models)}: resume with the same models, or start from exported weights"
         )
     for name, state in models.items():
+        _check_same_model(name, state, directory)
         saved = meta["models"][name]
         fmt = saved["optimizer_format"]
         current = json.loads(json.dumps(state.layout))
@@ -128,6 +130,23 @@ def _check_compatible(
                 f"{fmt!r}; this run has {{{_pairs(differ, 1)}}}, which that format cannot load: "
                 f"{hint}"
             )
+
+
+def _check_same_model(name: str, state: TrainableState, directory: Path) -> None:
+    """The saved weights are of the model this run builds (the critic's may be its own,
+    critic.model): ValueError naming what differs, before megatron meets other shapes."""
+    weights = directory / name / WEIGHTS
+    if state.weights_meta is None or not (weights / METADATA_NAME).is_file():
+        return
+    try:
+        check_compatible(
+            load_metadata(weights), state.weights_meta.model_config(), state.weights_meta.head
+        )
+    except ValueError as err:
+        raise ValueError(
+            f"{weights}: {err}. Resume with the {name}'s model the run was saved with "
+            "(model.path; critic.model for the critic), or start a new run from exported weights"
+        ) from err
 
 
 def _pairs(differ: dict[str, tuple[Any, Any]], which: int) -> str:
