@@ -44,8 +44,9 @@ def rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
-PHASES = ("rollout_other", "scoring", "advantages", "update_critic", "update_policy")
-"""The step's own phases (time/<phase>), printed per rank."""
+PHASES = ("rollout_other", "scoring", "advantages", "update_critic", "update_policy", "route")
+"""The step's own phases (time/<phase>), printed per rank; route: the routed advantages'
+all-to-alls (part of scoring and advantages)."""
 
 
 class StubRollout:
@@ -169,8 +170,34 @@ def step_row(metrics: dict[str, float]) -> dict[str, float]:
     """One step's bookkeeping seconds (the step less generation, grading, sync and the model
     stub's own time) and its phases' seconds."""
     excluded = sum(metrics.get(f"time/{p}", 0.0) for p in ("rollout", "reward", "sync", "megatron"))
-    phases = {p: round(metrics[f"time/{p}"], 3) for p in PHASES}
+    phases = {p: round(metrics[f"time/{p}"], 3) for p in PHASES if p != "route"}
     return {"bookkeeping_s": metrics["time/step"] - excluded, **phases}
+
+
+def time_the_exchange() -> dict[str, float]:
+    """Wraps ``AdvantageExchange`` (the routed path's only per-token traffic: the positions
+    when it is made, the values in ``send``) to add its seconds and the tokens this rank
+    sends to other ranks to the returned dict (reset per step by the caller)."""
+    from vapo_megatron.step import routed_route
+
+    spent = {"route": 0.0, "routed_tokens": 0.0}
+    cls = routed_route.AdvantageExchange
+    make, send = cls.__init__, cls.send
+
+    def timed_init(self, *args, **kwargs):
+        start = time.perf_counter()
+        make(self, *args, **kwargs)
+        spent["route"] += time.perf_counter() - start
+        spent["routed_tokens"] += self.sent_elsewhere
+
+    def timed_send(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = send(self, *args, **kwargs)
+        spent["route"] += time.perf_counter() - start
+        return out
+
+    cls.__init__, cls.send = timed_init, timed_send
+    return spent
 
 
 def worker(samples: int, steps: int, mixed: bool) -> None:
@@ -189,12 +216,14 @@ def worker(samples: int, steps: int, mixed: bool) -> None:
     session = stub_session(samples, mixed, host, Path(run_dir.name))
     rollout.score_responses = stub_grade  # the grader is not the data path
     run.sync_weights = lambda session: {}  # nor is the weight stream (tools/bench.py sync)
+    spent = time_the_exchange()
     dist.barrier(host)
     base_gb = rss_gb()
     rows = []
     for k in range(steps):
+        spent.update(route=0.0, routed_tokens=0.0)
         metrics = run.run_step(session, k, pretrain=False)
-        rows.append(step_row(metrics))
+        rows.append({**step_row(metrics), **spent})
     result = {
         "rank": dist.get_rank(), "samples": int(metrics["num_samples"]),
         "response_tokens": int(metrics["response_length/mean"] * metrics["num_samples"]),
@@ -250,6 +279,10 @@ def run(quick: bool = False, samples: int | None = None, mixed: bool = False) ->
               + " ".join(f"{row[p]:13.2f}" for p in phases) + f" {r['peak_gb']:8.2f}")  # fmt: skip
     seconds = per_step[best] * scale
     host_gb = max(r["base_gb"] + (r["peak_gb"] - r["base_gb"]) * scale for r in results)
+    route_s = max(r["steps"][best]["route"] for r in results) * scale
+    routed = sum(r["steps"][best]["routed_tokens"] for r in results) * scale
+    print(f"routed advantages: {routed:,.0f} tokens to another rank, {route_s:.2f} s (in the "
+          "phases above)")  # fmt: skip
     print(f"extrapolated to {STEP_SAMPLES} samples (x{scale:g}): {seconds:.1f} s per step, "
           f"{host_gb:.2f} GB host per rank (targets: <= 5 s, <= 2 GB)")  # fmt: skip
     print(
@@ -263,6 +296,8 @@ def run(quick: bool = False, samples: int | None = None, mixed: bool = False) ->
                 "measured_samples": results[0]["samples"],
                 "path": path,
                 "mixed": mixed,
+                "route_s_per_step": round(route_s, 2),
+                "routed_tokens": round(routed),
                 "steps_s": [round(t * scale, 2) for t in per_step[1:]],
             }
         )
