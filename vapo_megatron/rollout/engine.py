@@ -260,6 +260,14 @@ class RolloutEngine:
         np.random.set_state(rng_states[1])
         torch.set_rng_state(rng_states[2])
         self.llm.collective_rpc("init_weight_transfer_engine", args=({},))
+        self.route_shape: tuple[int, int] | None = None
+        """(layers, top_k) of each token's routes with ``record_routes``; else None."""
+        if config.record_routes:
+            model_config = self.llm.llm_engine.model_config
+            self.route_shape = (
+                model_config.get_total_num_hidden_layers(),
+                model_config.get_num_experts_per_tok(),
+            )
         self.route_recorder = None
         if config.record_routes and self.is_cpu:
             self.route_recorder = RouteRecorder()

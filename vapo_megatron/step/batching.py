@@ -11,17 +11,24 @@ reordered, packed or split (verl #1440, #2185 lost them).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.data.packing import MicroBatch, Sample, pack
+from vapo_megatron.parallel.context_parallel import split_packed_for_cp
 from vapo_megatron.parallel.devices import HOST
 
 FLAT_INDEX = "flat_index"
 LOCAL_INDEX = "local_index"
 """Position of a response token in this rank's own buffers (``step/shard_route.py``)."""
+ROUTES = "routes"
+"""The engine's routed experts (routing replay). In a ``Sample``'s fields: int16 [prompt +
+response - 1, layers, top_k], one row per *input position* (not label-aligned); in a packed
+micro-batch: [1, t, layers, top_k] over the row's positions of this CP rank, -1 where a
+position has none (a sequence's last token, padding), placed by ``MicroBatchPlan.pack``."""
 
 
 class Ragged:
@@ -144,10 +151,35 @@ class MicroBatchPlan:
         self.pad_each = layout.cp > 1 and layout.pp == 1
 
     def pack(self, group: Sequence[Sample], cp_rank: int) -> MicroBatch:
-        return pack(
+        routes = [sample.fields.get(ROUTES) for sample in group]
+        if routes[0] is not None:  # per position, not per response token: placed below
+            group = [
+                dataclasses.replace(s, fields={k: v for k, v in s.fields.items() if k != ROUTES})
+                for s in group
+            ]
+        mb = pack(
             group, cp_size=self.layout.cp, cp_rank=cp_rank, pad_multiple=self.pad_multiple,
             pad_each=self.pad_each,
         )  # fmt: skip
+        if routes[0] is not None:
+            mb.fields[ROUTES] = route_row(routes, mb, cp_size=self.layout.cp, cp_rank=cp_rank)
+        return mb
+
+
+def route_row(
+    routes: Sequence[torch.Tensor], mb: MicroBatch, *, cp_size: int, cp_rank: int
+) -> torch.Tensor:
+    """The packed row's routes [1, t, layers, top_k] int16 for this CP rank: sequence j's
+    routes [n_j, layers, top_k] at its padded start (``cu_seqlens_q_padded``), -1 elsewhere,
+    split over CP as the tokens are (``split_packed_for_cp``)."""
+    cu_padded = mb.packed_seq_params.cu_seqlens_q_padded.long()
+    shape = routes[0].shape[1:]
+    row = torch.full((mb.seq_length, *shape), -1, dtype=torch.int16, device=HOST)
+    for start, r in zip(cu_padded.tolist(), routes, strict=False):
+        row[start : start + r.shape[0]] = r
+    if cp_size > 1:
+        row = split_packed_for_cp(row, cu_padded, cp_size, cp_rank)
+    return row[None]
 
 
 def plan_micro_batches(
@@ -183,7 +215,7 @@ def empty_micro_batch(
 ) -> MicroBatch:
     """A micro-batch whose every position is masked: zero loss, zero gradient, same collectives."""
     length = 2 * layout.cp * max(layout.tp if layout.sequence_parallel else 1, 1)
-    fields = {name: torch.zeros(1, device=HOST) for name in field_names}
+    fields = {name: torch.zeros(1, device=HOST) for name in field_names if name != ROUTES}
     for index in (FLAT_INDEX, LOCAL_INDEX):
         if index in fields:
             fields[index] = torch.zeros(1, dtype=torch.long, device=HOST)
@@ -204,9 +236,13 @@ def build_samples(
     fields: Callable[[int, slice], dict[str, torch.Tensor]] | None = None,
     *,
     flat_index: bool = True,
+    routes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[Sample]:
     """Samples ``indices`` with their flat_index field (unless not ``flat_index``) and
-    ``fields(i, flat_slice)``."""
+    ``fields(i, flat_slice)``; with ``routes`` = (the step's routes [T, layers, top_k],
+    their offsets [S + 1]: ``Trajectories.routes`` and ``route_offsets()``) each sample's
+    routes as its ``ROUTES`` field."""
+    route_bounds = routes[1].tolist() if routes is not None else None
     out = []
     bounds = offsets.tolist() if len(indices) > 1 else None
     for i in indices:
@@ -219,6 +255,8 @@ def build_samples(
             extra[FLAT_INDEX] = torch.arange(flat.start, flat.stop, dtype=torch.long, device=HOST)
         if fields is not None:
             extra.update(fields(i, flat))
+        if route_bounds is not None:
+            extra[ROUTES] = routes[0][route_bounds[i] : route_bounds[i + 1]]
         prompt, response = prompts[i], responses[i]
         if not isinstance(prompt, torch.Tensor):  # lists: a copy, as the caller may reuse them
             prompt, response = list(prompt), list(response)

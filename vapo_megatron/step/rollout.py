@@ -100,11 +100,13 @@ def generate_and_grade(
     if dist.get_rank() % (dist.get_world_size() // num_replicas):
         outputs, results = [], []
         counts.zero_()
-    local = _local_buffers(outputs, results, prompts, share)
+    # (layers, top_k) when the engine records routes (routing replay); test doubles have none.
+    route_shape = getattr(engine, "route_shape", None)
+    local = _local_buffers(outputs, results, prompts, share, routes=route_shape is not None)
     # The engine's per-token Python lists are copied into ``local``: free them before the
     # gather, which holds every replica's tokens (the host's peak of the step).
     del outputs, results
-    return _gather(local, counts, stats, num_replicas, host_group)
+    return _gather(local, counts, stats, num_replicas, host_group, route_shape)
 
 
 def _grade(outputs, tokenizer, prompts: Sequence, share: range, routing, timeout_s: float):
@@ -119,9 +121,12 @@ def _grade(outputs, tokenizer, prompts: Sequence, share: range, routing, timeout
     return score_responses(items, routing, timeout_s=timeout_s)
 
 
-def _local_buffers(outputs, results, prompts: Sequence, share: range) -> list[torch.Tensor]:
+def _local_buffers(
+    outputs, results, prompts: Sequence, share: range, *, routes: bool
+) -> list[torch.Tensor]:
     """This rank's part of the gather: [R * len(META_FIELDS)] float64 metadata, int32 prompt
-    and response token ids, float32 rollout log-probs."""
+    and response token ids, float32 rollout log-probs (and with ``routes`` the samples'
+    int16 routes, flattened)."""
     meta: list[tuple] = []
     prompt_ids, response_ids, logprobs = array("i"), array("i"), array("f")
     for o, result in zip(outputs, results, strict=True):
@@ -134,12 +139,16 @@ def _local_buffers(outputs, results, prompts: Sequence, share: range) -> list[to
         prompt_ids.extend(prompt)
         response_ids.extend(o.response_token_ids)
         logprobs.extend(o.logprobs)
-    return [
+    buffers = [
         torch.tensor(meta, dtype=torch.float64, device=HOST).reshape(-1),
         _host_tensor(prompt_ids, torch.int32),
         _host_tensor(response_ids, torch.int32),
         _host_tensor(logprobs, torch.float32),
     ]
+    if routes:
+        flat = [o.routes.reshape(-1) for o in outputs]
+        buffers.append(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int16, device=HOST))
+    return buffers
 
 
 def _gather(
@@ -148,12 +157,15 @@ def _gather(
     stats: RolloutStats,
     num_replicas: int,
     host_group: dist.ProcessGroup,
+    route_shape: tuple[int, int] | None = None,
 ) -> Trajectories:
     """Every replica's trajectories from each rank's ``local`` buffers, in group order; the
-    grading counts and seconds ``counts`` summed into ``stats``."""
+    grading counts and seconds ``counts`` summed into ``stats``. ``route_shape``: (layers,
+    top_k) of the routes buffer that ends ``local``, if any."""
     gathered_parts = []
     while local:  # each local buffer is freed once gathered: less at the peak
         gathered_parts.append(collectives.all_gather_varlen(local.pop(0), host_group))
+    routes_all = gathered_parts.pop() if route_shape is not None else None
     meta_all, prompt_all, response_all, logprob_all = gathered_parts
     collectives.all_reduce(counts, host_group)
     counts[2:] /= num_replicas  # mean seconds over replicas
@@ -162,8 +174,9 @@ def _gather(
     stats.reward_seconds += float(counts[2])
     stats.generate_seconds += float(counts[3])
     gathered = Trajectories.from_rows(
-        meta_all.view(-1, len(META_FIELDS)), prompt_all, response_all, logprob_all
-    )
+        meta_all.view(-1, len(META_FIELDS)), prompt_all, response_all, logprob_all,
+        None if routes_all is None else routes_all.view(-1, *route_shape),
+    )  # fmt: skip
     # Stable: the samples of a group keep their order.
     return gathered.select(torch.sort(gathered.group, stable=True).indices)
 

@@ -30,6 +30,7 @@ def save_rollouts(directory: Path, index: int, trajectories: Trajectories) -> Pa
         t.acc.tolist(), t.reward.tolist(), strict=True,
     )  # fmt: skip
     rows = []
+    route_bounds = t.route_offsets().tolist() if t.routes is not None else None
     for i, (group, prompt_index, truncated, score, acc, reward) in enumerate(scalars):
         lo, hi = int(t.responses.offsets[i]), int(t.responses.offsets[i + 1])
         rows.append(
@@ -37,6 +38,8 @@ def save_rollouts(directory: Path, index: int, trajectories: Trajectories) -> Pa
              "response": t.responses[i], "rollout_logprobs": t.rollout_logprobs[lo:hi],
              "truncated": truncated, "score": score, "acc": acc, "reward": reward}
         )  # fmt: skip
+        if route_bounds is not None:  # int16 [prompt + response - 1, layers, top_k]
+            rows[-1]["routes"] = t.routes[route_bounds[i] : route_bounds[i + 1]]
     torch.save(rows, tmp)
     os.replace(tmp, path)
     return path
@@ -68,6 +71,7 @@ def load_rollouts(directory: str | Path, index: int) -> Trajectories:
         _flat([r["prompt"] for r in rows], torch.int32),
         _flat([r["response"] for r in rows], torch.int32),
         _flat([r["rollout_logprobs"] for r in rows], torch.float32),
+        torch.cat([r["routes"] for r in rows]) if rows and "routes" in rows[0] else None,
     )
     out.reward = torch.tensor([r["reward"] for r in rows], dtype=torch.float64, device=HOST)
     return out

@@ -21,7 +21,7 @@ from vapo_megatron.data.packing import MicroBatch, Sample
 from vapo_megatron.parallel.collectives import all_gather_objects
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.parallel.reductions import LossNormalisers, global_loss_normalisers
-from vapo_megatron.step.batching import Ragged, build_samples, dp_share, micro_batches
+from vapo_megatron.step.batching import ROUTES, Ragged, build_samples, dp_share, micro_batches
 from vapo_megatron.step.losses import policy_loss_fn, value_loss_fn
 from vapo_megatron.step.scoring import OutputRoute, TokenFields
 from vapo_megatron.step.timing import Timer
@@ -67,12 +67,17 @@ class UpdateData:
     """[N] float32 vLLM's log-probs by the responses' offsets (the rollout correction's input)."""
     correction: RolloutCorrectionConfig | None = None
     """Rollout importance correction of the policy loss; None or off: none."""
+    routes: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Routing replay: the engine's routes [T, layers, top_k] and their offsets [S + 1]
+    (``Trajectories.routes``, ``route_offsets()``), replayed in the policy's update; None: off."""
 
     @property
     def policy_field_names(self) -> list[str]:
-        """The per-token fields the policy's loss reads (the correction's when it is on)."""
+        """The per-token fields the policy's loss reads (the correction's when it is on), and
+        the routes its forward replays."""
         on = self.correction is not None and self.correction.enabled
-        return POLICY_FIELDS + CORRECTION_FIELDS if on else POLICY_FIELDS
+        names = POLICY_FIELDS + CORRECTION_FIELDS if on else POLICY_FIELDS
+        return names + [ROUTES] if self.routes is not None else names
 
     def critic_fields(self, i: int, flat: slice) -> dict[str, torch.Tensor]:
         length = flat.stop - flat.start
@@ -164,7 +169,7 @@ def update_minibatch(
         # One layout, the same samples: pack once for both models.
         samples = build_samples(
             data.prompts, data.responses, critic_ids, data.responses.offsets, data.both_fields,
-            flat_index=False,
+            flat_index=False, routes=data.routes,
         )  # fmt: skip
         packed = micro_batches(
             samples, critic.layout, cp_rank=critic.cp_rank, token_budget=token_budget,
@@ -206,8 +211,9 @@ def _update(
     if packed is not None:
         return train_on_micro_batches(engine, packed, len(ids), loss_fn_factory, field_names=names)
     samples = build_samples(
-        data.prompts, data.responses, ids, data.responses.offsets, fields_fn, flat_index=False
-    )
+        data.prompts, data.responses, ids, data.responses.offsets, fields_fn, flat_index=False,
+        routes=data.routes if ROUTES in names else None,
+    )  # fmt: skip
     return train_on_share(
         engine, samples, loss_fn_factory, field_names=names, token_budget=token_budget
     )
@@ -260,8 +266,10 @@ def train_on_micro_batches(
     samples in ``mbs``): e.g. once for the critic and the policy where both take the same
     samples on one layout. ``field_names``: the fields this model's loss reads (the others
     stay behind, never copied to its device); None keeps every field."""
-    if field_names is not None:
-        mbs = [mb.with_fields(field_names) for mb in mbs]
+    if field_names is not None:  # routes only where packed (an empty micro-batch has none)
+        mbs = [
+            mb.with_fields([n for n in field_names if n != ROUTES or n in mb.fields]) for mb in mbs
+        ]
     positive = [mb.fields.get("positive", torch.zeros_like(mb.response_mask)) for mb in mbs]
     # Counted on the host where packing left the masks; reduced and used on the model's device.
     norm = global_loss_normalisers(
