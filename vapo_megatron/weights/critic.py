@@ -79,7 +79,9 @@ def critic_hf_config(
 ) -> dict[str, Any]:
     """The critic's HF ``config.json`` as a dict: critic.model's (an HF directory or, where
     ``presets`` is given, as the planner and dry run give theirs, a preset name), else the
-    policy's model.path. ValueError when critic.model is neither, naming the fix."""
+    policy's model.path (a planner that plans the policy from a preset, ``--model``, without
+    critic.model takes that preset for the critic too). ValueError when critic.model is
+    neither, naming the fix."""
     path = critic_model_path(config)
     if presets is not None and config.critic.model in presets:
         return dict(presets[config.critic.model])
@@ -107,9 +109,7 @@ def check_critic_model(config: TrainConfig) -> None:
     smaller than the policy's (the policy may sample any of its rows), or a context shorter
     than data.max_prompt_tokens + rollout.max_new_tokens. Depth, width, heads and family may
     differ. Nothing to check without a critic."""
-    if not config.algorithm.uses_critic:
-        return
-    if not config.critic.model:
+    if not (config.algorithm.uses_critic and config.critic.model):
         return
     critic, path = critic_model_config(config), critic_model_path(config)
     check_critic_context(config, critic.max_position_embeddings, path)
