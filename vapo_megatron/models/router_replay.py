@@ -33,6 +33,10 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+ROUTES = "routes"
+"""The micro-batch field of the engine's routed experts (``step/batching.py`` places them):
+[1, t, layers, top_k] int16 over the packed row's positions of this CP rank, -1: none."""
+
 
 class _ModelReplay(RouterReplay):
     """One router's replay state; not in megatron's global list."""
@@ -79,7 +83,10 @@ class ModelRouterReplay:
     """The replay instances of one model's routers (every chunk of it on this rank)."""
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module]) -> None:
-        self.routers = [m for c in model_chunks for m in c.modules() if isinstance(m, TopKRouter)]
+        self.chunk_routers = [
+            [m for m in chunk.modules() if isinstance(m, TopKRouter)] for chunk in model_chunks
+        ]
+        self.routers = [router for routers in self.chunk_routers for router in routers]
         if not self.routers:
             raise ValueError("routing replay needs an MoE model; this one has no router")
         ours = set()
@@ -90,25 +97,50 @@ class ModelRouterReplay:
         # Routers built with the flag put an instance in megatron's global list; it is unused now.
         global_list = RouterReplay.global_router_replay_instances
         global_list[:] = [r for r in global_list if id(r) not in ours]
-        self.layers = [router.layer_number - 1 for router in self.routers]
         self.top_k = self.routers[0].topk
+        self.num_layers = self.routers[0].config.num_layers
 
     @property
     def instances(self) -> list[_ModelReplay]:
         return [router.router_replay for router in self.routers]
 
-    def set_routes(self, routes: torch.Tensor, *, replay: bool) -> None:
+    def set_routes(self, routes: torch.Tensor, *, replay: bool, chunk: int | None = None) -> None:
         """Routes [tokens, layers, top_k] (global layers; -1: none) for the next forward (and
-        its recompute in the backward pass). ``replay`` False: the trainer routes on its own
-        and only the agreement is counted. Appends: call once per micro-batch, in order."""
+        its recompute in the backward pass) of model chunk ``chunk`` (None: every chunk).
+        ``replay`` False: the trainer routes on its own and only the agreement is counted.
+        Appends: call once per micro-batch and chunk, in the schedule's order."""
         if routes.dim() != 3 or routes.shape[2] != self.top_k:
             raise ValueError(
                 f"routes must be [tokens, layers, top_k={self.top_k}], got {tuple(routes.shape)}"
             )
-        for instance, layer in zip(self.instances, self.layers, strict=True):
+        routers = self.routers if chunk is None else self.chunk_routers[chunk]
+        for router in routers:
+            instance = router.router_replay
             instance.replay = replay
-            instance.set_target_indices(routes[:, layer])
+            instance.set_target_indices(routes[:, router.layer_number - 1])
             instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def set_micro_batch_routes(
+        self,
+        fields: dict[str, torch.Tensor],
+        num_tokens: int,
+        *,
+        replay: bool,
+        chunk: int,
+        sequence_parallel: tuple[int, int] | None = None,
+    ) -> None:
+        """``set_routes`` from a micro-batch's ``ROUTES`` field [1, t, layers, top_k] (none:
+        every token keeps its own top-k); ``num_tokens``: t, this CP rank's row.
+        ``sequence_parallel`` (tp, tp_rank): the router sees this TP rank's slice of the row."""
+        routes = fields.get(ROUTES)
+        if routes is None:
+            routes = torch.full((num_tokens, self.num_layers, self.top_k), -1, dtype=torch.int16)
+        else:
+            routes = routes[0]
+        if sequence_parallel is not None:
+            tp, tp_rank = sequence_parallel
+            routes = routes.chunk(tp)[tp_rank]
+        self.set_routes(routes, replay=replay, chunk=chunk)
 
     def record(self) -> None:
         """Keep the top-k each router computes in the next forward (``recorded``)."""
@@ -122,8 +154,8 @@ class ModelRouterReplay:
         if any(top is None for top in tops):
             raise RuntimeError("no routes recorded: call record() before the forward")
         out = torch.full((tops[0].shape[0], num_layers, self.top_k), -1, dtype=torch.int16)
-        for top, layer in zip(tops, self.layers, strict=True):
-            out[:, layer] = top.to("cpu", torch.int16)
+        for top, router in zip(tops, self.routers, strict=True):
+            out[:, router.layer_number - 1] = top.to("cpu", torch.int16)
         return out
 
     def clear(self) -> None:

@@ -18,17 +18,18 @@ import torch
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.data.packing import MicroBatch, Sample, pack
+from vapo_megatron.models.router_replay import ROUTES
 from vapo_megatron.parallel.context_parallel import split_packed_for_cp
 from vapo_megatron.parallel.devices import HOST
 
 FLAT_INDEX = "flat_index"
 LOCAL_INDEX = "local_index"
 """Position of a response token in this rank's own buffers (``step/shard_route.py``)."""
-ROUTES = "routes"
-"""The engine's routed experts (routing replay). In a ``Sample``'s fields: int16 [prompt +
-response - 1, layers, top_k], one row per *input position* (not label-aligned); in a packed
-micro-batch: [1, t, layers, top_k] over the row's positions of this CP rank, -1 where a
-position has none (a sequence's last token, padding), placed by ``MicroBatchPlan.pack``."""
+# ROUTES (``models/router_replay.py``): the engine's routed experts (routing replay). In a
+# ``Sample``'s fields: int16 [prompt + response - 1, layers, top_k], one row per *input
+# position* (not label-aligned); in a packed micro-batch: [1, t, layers, top_k] over the row's
+# positions of this CP rank, -1 where a position has none (a sequence's last token, padding),
+# placed by ``MicroBatchPlan.pack``.
 
 
 class Ragged:
