@@ -67,6 +67,13 @@ MODEL_PRESETS: dict[str, dict[str, object]] = {
                             intermediate_size=18944, num_hidden_layers=28,
                             num_attention_heads=28, num_key_value_heads=4,
                             max_position_embeddings=4096, rope_theta=1e4),
+    # The same with its context declared as 32768 tokens (docs/cluster.md, "A 7B critic"): what
+    # recipes/vapo_qwen2.5_32b_rm7b.yaml's critic.model holds; positions past 4096 are RoPE
+    # extrapolation at base 1e4 that value pretraining has to correct.
+    "acemath-7b-rm-32k": _qwen2(architectures=["Qwen2ForSequenceClassification"],
+                                hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                num_attention_heads=28, num_key_value_heads=4,
+                                max_position_embeddings=32768, rope_theta=1e4),
     # Qwen/Qwen3-32B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B config.json (read on the HF Hub
     # through the project's search tool; the MoE values agree with slime's
     # scripts/models/qwen3-*.sh and Megatron-Bridge's Qwen3-MoE recipes).
