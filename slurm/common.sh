@@ -17,6 +17,8 @@
 #   HF_MODEL_ID      Hugging Face id of model.path, for the download command the dry run prints
 #   REWARD_MODEL_ID  Hugging Face id of a public reward model for critic.init_path (same)
 #   MODEL_PRESET     planner preset when model.path is not on this machine (dry run)
+#   CRITIC_PRESET    planner preset for critic.model (the critic's own model) when that is not
+#                    on this machine (dry run and plan only; the run reads critic.model)
 #   CONTAINER_IMAGE  pyxis/enroot image (a .sqsh or nvcr.io#...); "none": run on the host
 #   BASE_IMAGE       image BUILD_IMAGE=1 starts from: vLLM's own (its torch is vLLM's pin); then
 #                    containers/install.sh adds megatron-core, Transformer Engine and apex under
@@ -58,6 +60,7 @@ vapo_defaults() {
     : "${HF_MODEL_ID:=HF_MODEL_ID}"
     : "${REWARD_MODEL_ID:=}"
     : "${MODEL_PRESET:=}"
+    : "${CRITIC_PRESET:=}"
     : "${BASE_IMAGE:=vllm/vllm-openai:v0.32.0}"
     : "${CONTAINER_IMAGE:=$VAPO_REPO/containers/vapo-megatron.sqsh}"
     : "${CONTAINER_MOUNTS:=}"
@@ -152,11 +155,13 @@ vapo_commands() {
     PLAN_CMD=("$PYTHON" tools/plan.py --recipe "$RECIPE" --nodes "$NODES"
         --gpus-per-node "$GPUS_PER_NODE" --gpu "$GPU_TYPE")
     [[ -n "$MODEL_PRESET" ]] && PLAN_CMD+=(--model "$MODEL_PRESET")
+    [[ -n "$CRITIC_PRESET" ]] && PLAN_CMD+=(--critic-model "$CRITIC_PRESET")
     local item
     for item in "${OVERRIDES[@]}"; do PLAN_CMD+=(--set "$item"); done
     BUILD_CMD=("$PYTHON" -m vapo_megatron.train "$RECIPE" "${OVERRIDES[@]}" --dry-run
         --world-size "$WORLD_SIZE_TOTAL" --ranks "$DRY_RUN_RANKS")
     [[ -n "$MODEL_PRESET" ]] && BUILD_CMD+=(--model "$MODEL_PRESET")
+    [[ -n "$CRITIC_PRESET" ]] && BUILD_CMD+=("critic.model=$CRITIC_PRESET")
     CHECK_CMD=("$PYTHON" slurm/check_inputs.py "$RECIPE" "${OVERRIDES[@]}"
         --hf-model "$HF_MODEL_ID")
     [[ -n "$REWARD_MODEL_ID" ]] && CHECK_CMD+=(--reward-model "$REWARD_MODEL_ID")
