@@ -37,7 +37,9 @@ def format_report(report: RankReport) -> str:
         lines.append(
             f"-- {m.role}: tp{lay['tp']} pp{lay['pp']}"
             + (f" vpp{lay['vpp']}" if "vpp" in lay else "")
-            + f" cp{lay['cp']} dp{lay['dp']}; this rank "
+            + f" cp{lay['cp']} dp{lay['dp']}"
+            + (f" ep{lay['ep']} etp{lay['etp']} edp{lay['edp']}" if "ep" in lay else "")
+            + "; this rank "
             f"tp {at['tp']} pp {at['pp']} cp {at['cp']} dp {at['dp']}"
         )
         for name, ranks in m.groups.items():
