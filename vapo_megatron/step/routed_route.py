@@ -23,10 +23,12 @@ Data flow of one VAPO step (``step/run.py`` calls these in order):
    one critic rank: the last pipeline stage's first TP rank of c(i), each CP rank its own
    chunks (under CP with PP, CP rank 0 of the reassembled sequences); it goes to every rank
    of p(i)'s last pipeline stage (each TP rank computes the loss; each CP rank gets the whole
-   sequence, as an update's packing picks its chunks), and to no other rank. A message is the
-   values and their int32 positions in the receiver's buffer (every rank knows where each
-   sample sits in its owner's buffer: ``StepShare.owner_start``). The receiver checks that
-   each of its tokens arrived exactly once.
+   sequence, as an update's packing picks its chunks), and to no other rank. From whole
+   sequences a message is just the values of whole samples in ascending order (every rank
+   knows both owner maps, so the receiver knows which samples each piece holds); from CP
+   chunks it carries their int32 positions in the receiver's buffer too (every rank knows
+   where each sample sits in its owner's buffer: ``StepShare.owner_start``), sent once per
+   step. The receiver checks that each of its tokens arrives exactly once.
 5. Updates (``step/updates.py``): each model's DP rank trains on its own samples of each
    mini-batch (``mine``); the critic reads old values and returns from its side, the policy
    old log-probs and advantages from its own (``TokenFields.starts``).
@@ -76,8 +78,6 @@ class RoutedRoute:
         self.models, self.shares, self.host_group = models, shares, host_group
         self.name = path.name
         self.packs_once = path.name == "shards"
-        self.routed_tokens = 0
-        """Advantages this rank sent to other ranks in the step."""
 
     def mine(self, engine: ModelEngine, chosen: Sequence[int]) -> list[int]:
         role = "policy" if engine is self.models.policy else "critic"
@@ -120,14 +120,18 @@ class RoutedRoute:
             self.shares["policy"], self.shares["critic"], critic, models,
             inputs.responses.offsets.diff(), self.host_group,
         )  # fmt: skip
-        self.routed_tokens = exchange.sent_elsewhere
         return Scored(policy, critic, to_policy=exchange.send)
 
 
 class AdvantageExchange:
     """Moves a per-token array from the critic's owners to the policy's (step 4 of the module
-    docstring). The positions travel once, when it is made; ``send`` moves the values.
-    Collective over ``host_group`` (its ranks are the world's)."""
+    docstring). Collective over ``host_group`` (its ranks are the world's).
+
+    Where the senders hold whole sequences (the critic without CP, or reassembled under CP
+    with PP) every rank knows what each sender sends (its critic DP rank's samples that a
+    policy DP rank owns, in ascending order), so only the values travel, as spans of whole
+    samples. Where they hold CP chunks, the receiver's positions travel once, when the
+    exchange is made (int32), and ``send`` moves the values."""
 
     def __init__(
         self,
@@ -139,25 +143,37 @@ class AdvantageExchange:
         host_group: dist.ProcessGroup | None,
     ) -> None:
         policy, critic = models.policy, models.critic
-        self.host_group, self.num_tokens = host_group, policy_share.num_tokens
-        # Who receives: every rank of each policy DP rank's last pipeline stage.
-        mine = torch.tensor(
-            [policy.dp_rank, int(policy.is_last_stage)], dtype=torch.long, device=HOST
-        )
-        ranks = torch.stack(collectives.all_gather(mine, host_group)).tolist()
         layout = critic.layout
+        self.host_group, self.num_tokens = host_group, policy_share.num_tokens
+        self.whole = layout.cp == 1 or layout.pp > 1
         sends = (
             critic.is_last_stage
             and critic.tp_rank == 0
             and (layout.pp == 1 or critic.cp_rank == 0)  # CP with PP: reassembled on each
         )
+        # Who receives: every rank of each policy DP rank's last pipeline stage.
+        mine = [policy.dp_rank, int(policy.is_last_stage), critic.dp_rank, int(sends)]
+        coords = collectives.all_gather(
+            torch.tensor(mine, dtype=torch.long, device=HOST), host_group
+        )
+        ranks = torch.stack(coords).tolist()
+        me = dist.get_rank(host_group)
+        if self.whole:
+            lengths = response_lengths.tolist()
+            self.send_spans = _send_spans(policy_share, critic_share, lengths, ranks, sends)
+            self.recv_spans = _recv_spans(
+                policy_share, critic_share, lengths, ranks, policy, critic.dp_size
+            )
+            self.sent_elsewhere = sum(
+                b - a for r, spans in enumerate(self.send_spans) if r != me for a, b in spans
+            )
+            return
         per_dp = self._positions(
             policy_share, critic_share, critic_side, response_lengths, policy.dp_size, sends
         )
         empty = (torch.zeros(0, dtype=torch.long, device=HOST),) * 2
-        pieces = [per_dp[d] if last else empty for d, last in ranks]
+        pieces = [per_dp[d] if last else empty for d, last, _, _ in ranks]
         self.src = [src for src, _ in pieces]
-        me = dist.get_rank(host_group)
         self.sent_elsewhere = sum(s.numel() for r, s in enumerate(self.src) if r != me)
         index_dtype = torch.int32 if self.num_tokens < 2**31 else torch.long
         received = collectives.all_to_all_varlen(
@@ -211,9 +227,85 @@ class AdvantageExchange:
     def send(self, critic_array: torch.Tensor) -> torch.Tensor:
         """``critic_array`` ([critic buffer], this rank's critic side) -> [policy buffer] of
         this rank's policy side (zeros off the last pipeline stage)."""
-        pieces = [critic_array[src].to(torch.float32) for src in self.src]
-        received = collectives.all_to_all_varlen(pieces, self.host_group)
         out = torch.zeros(self.num_tokens, dtype=torch.float32, device=HOST)
-        if self.dst.numel():
-            out[self.dst] = torch.cat(received)
+        critic_array = critic_array.to(torch.float32)
+        if not self.whole:
+            pieces = [critic_array[src] for src in self.src]
+            received = collectives.all_to_all_varlen(pieces, self.host_group)
+            if self.dst.numel():
+                out[self.dst] = torch.cat(received)
+            return out
+        pieces = [_take(critic_array, spans) for spans in self.send_spans]
+        received = collectives.all_to_all_varlen(pieces, self.host_group)
+        for piece, spans in zip(received, self.recv_spans, strict=True):
+            done = 0
+            for a, b in spans:
+                out[a:b] = piece[done : done + b - a]
+                done += b - a
+            if done != piece.numel():
+                raise RuntimeError(
+                    f"rank {dist.get_rank()} was sent {piece.numel()} advantages by a critic "
+                    f"rank that owes it {done}: the ranks disagree on the step's owners"
+                )
         return out
+
+
+def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent [a, b) spans merged (one copy per run, not per sample)."""
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _take(array: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    if len(spans) == 1:
+        return array[spans[0][0] : spans[0][1]]
+    if not spans:
+        return array[:0]
+    return torch.cat([array[a:b] for a, b in spans])
+
+
+def _send_spans(
+    policy_share: StepShare,
+    critic_share: StepShare,
+    lengths: list[int],
+    ranks: list[list[int]],
+    sends: bool,
+) -> list[list[tuple[int, int]]]:
+    """Per world rank: the spans of this rank's critic buffers it is sent (its critic
+    samples that the rank's policy DP rank owns, ascending), if it receives at all."""
+    by_dp: dict[int, list[tuple[int, int]]] = {}
+    if sends:
+        owners, start = policy_share.owners, critic_share.start
+        for i in critic_share.ids.tolist():
+            by_dp.setdefault(owners[i], []).append((start[i], start[i] + lengths[i]))
+    return [_runs(by_dp.get(dp, [])) if last else [] for dp, last, _, _ in ranks]
+
+
+def _recv_spans(
+    policy_share: StepShare,
+    critic_share: StepShare,
+    lengths: list[int],
+    ranks: list[list[int]],
+    policy: ModelEngine,
+    critic_dp: int,
+) -> list[list[tuple[int, int]]]:
+    """Per world rank: the spans of this rank's policy buffers its piece fills (its policy
+    samples that the sender's critic DP rank owns, ascending). Checks that each critic DP
+    rank has exactly one sender, so every sample arrives once."""
+    senders = sorted(c_dp for _, _, c_dp, sends in ranks if sends)
+    if senders != list(range(critic_dp)):
+        raise RuntimeError(
+            f"advantage senders by critic DP rank {senders}: each of the critic's {critic_dp} "
+            "DP ranks must send once"
+        )
+    by_dp: dict[int, list[tuple[int, int]]] = {}
+    if policy.is_last_stage:
+        owners, start = critic_share.owners, policy_share.start
+        for i in policy_share.ids.tolist():
+            by_dp.setdefault(owners[i], []).append((start[i], start[i] + lengths[i]))
+    return [_runs(by_dp.get(c_dp, [])) if sends else [] for _, _, c_dp, sends in ranks]
