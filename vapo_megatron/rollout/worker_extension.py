@@ -61,6 +61,7 @@ class InlineWeightTransferEngine(WeightTransferEngine[InlineInitInfo, InlineUpda
 
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
+        repack_cpu_moe_weights(self.model)
 
     def shutdown(self) -> None:
         pass
@@ -70,6 +71,44 @@ try:
     WeightTransferEngineFactory.register_engine(INLINE_BACKEND, InlineWeightTransferEngine)
 except ValueError:  # already registered: this module was imported before in this process
     pass
+
+
+def repack_cpu_moe_weights(model: torch.nn.Module) -> int:
+    """Prepack again the routed experts of vLLM-CPU's MoE layers after a weight update; return
+    how many layers were repacked.
+
+    vLLM 0.32 prepacks CPU MoE weights into its grouped-GEMM layout once, at the first load
+    (``CPUUnquantizedExperts.process_weights_after_loading``, reached from
+    ``UnquantizedFusedMoEMethod._setup_kernel`` only when ``moe_kernel`` is None); on a weight
+    update (``is_weight_update``) ``_setup_kernel`` copies the new weights, unpacked, into the
+    packed parameters and skips the prepack, so the kernel reads HF-layout rows as packed ones
+    and generates garbage. Found by a Qwen3-MoE sync test (tests/integration/weights/
+    test_sync_moe.py). GPU kernels take the copied layout as is: nothing to do there."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+            CPUUnquantizedExperts,
+            cpu_prepack_moe_weight,
+        )
+    except ImportError:  # a vLLM build without the CPU MoE kernels (GPU)
+        return 0
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+            continue
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            raise ValueError(
+                f"vLLM-CPU pads this MoE's intermediate size {config.intermediate_size_per_partition}"
+                " for its kernel; weight updates into a padded CPU MoE are not supported: pick a "
+                "moe_intermediate_size the CPU kernel does not pad"
+            )
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(module, name)
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data.clone(), experts.isa))
+        repacked += 1
+    return repacked
 
 
 def _proc_status_bytes(*keys: str) -> dict[str, int]:
