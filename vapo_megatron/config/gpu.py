@@ -32,6 +32,15 @@ What megatron-core 0.16.1 needs for each (paths under ``megatron/core/``):
   ``ColumnParallelLinear`` (``models/gpt/gpt_model.py:241``), whose constructor raises a
   RuntimeError without the apex module (``tensor_parallel/layers.py:924``): apex is needed even
   with TE.
+- ``moe_grouped_gemm`` (MoE models): TE's spec then builds a rank's experts as one
+  ``TEGroupedMLP`` (``models/gpt/moe_module_specs.py``, ``TESpecProvider.grouped_mlp_modules``):
+  one grouped GEMM for all local experts, weights ``linear_fc1.weight{j}`` instead of
+  SequentialMLP's ``local_experts.{j}.linear_fc1.weight`` (``provider.default_layer_spec``
+  takes the resolved switch; the record reads ``provider.uses_grouped_experts``).
+- ``moe_permute_fusion`` (MoE models): the all-to-all dispatcher's token permutation with TE's
+  fused kernels; ``TransformerConfig.__post_init__`` (``transformer_config.py``) raises when TE
+  lacks ``fused_permute`` and friends. Dense models drop both switches
+  (``provider.transformer_config``).
 - ``overlap_grad_reduce``: DDP buckets reduce asynchronously from backward hooks
   (``distributed/distributed_data_parallel.py:425-448``) once a bucket's parameters have
   reported as often as in the first batch (``param_and_grad_buffer.py:539-562``). That count
@@ -87,6 +96,8 @@ FUSION_KERNELS: dict[str, tuple[str, str]] = {
         "fused_weight_gradient_mlp_cuda",
         "apex built with --cpp_ext --cuda_ext (fused_weight_gradient_mlp_cuda)",
     ),
+    "moe_grouped_gemm": ("transformer_engine", "transformer-engine"),
+    "moe_permute_fusion": ("transformer_engine", "transformer-engine"),
 }
 """Fusion -> (module that must be importable, what to install when it is not)."""
 
@@ -103,6 +114,10 @@ class GpuSettings:
     """apex's fused softmax in megatron's local DotProductAttention (our attentions ignore it)."""
     gradient_accumulation_fusion: Switch = "auto"
     """Accumulate weight grads into the fp32 main_grad inside the GEMM (needs apex's fused_weight_gradient_mlp_cuda, even with TE)."""
+    moe_grouped_gemm: Switch = "auto"
+    """MoE models: the experts of a rank as one grouped GEMM (TE's TEGroupedMLP, names linear_fc1.weight{j}) instead of one MLP each; needs Transformer Engine."""
+    moe_permute_fusion: Switch = "auto"
+    """MoE models: TE's fused token permute/unpermute around the all-to-all dispatch."""
     overlap_grad_reduce: Switch = "auto"
     """Reduce gradient buckets during backward (the engine sets megatron's no_sync_func)."""
     overlap_param_gather: Switch = "auto"
@@ -129,6 +144,10 @@ class ResolvedGpuSettings:
     """apex's fused softmax (local DotProductAttention only)."""
     gradient_accumulation_fusion: bool = False
     """Weight-gradient GEMM accumulates into main_grad."""
+    moe_grouped_gemm: bool = False
+    """TE's grouped-GEMM experts (MoE models; dense models ignore it)."""
+    moe_permute_fusion: bool = False
+    """TE's fused token permutation (MoE models; dense models ignore it)."""
     overlap_grad_reduce: bool = False
     """Asynchronous gradient reduction during backward."""
     overlap_param_gather: bool = False

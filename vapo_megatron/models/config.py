@@ -38,6 +38,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from vapo_megatron.config.moe import MoESettings
+
 Family = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
 Head = Literal["lm", "value"]
 """The model's output: 'lm' (policy: logits over the vocabulary) or 'value' (critic: one scalar
@@ -180,9 +182,27 @@ class HFModelConfig:
         multiple = make_vocab_size_divisible_by * tp_size
         return -(-self.vocab_size // multiple) * multiple
 
-    def transformer_config_kwargs(self) -> dict[str, Any]:
-        """Architecture arguments of ``TransformerConfig`` (parallelism and precision excluded)."""
-        return {
+    def transformer_config_kwargs(self, moe: MoESettings | None = None) -> dict[str, Any]:
+        """Architecture arguments of ``TransformerConfig`` (parallelism and precision excluded).
+
+        ``kv_channels`` is the explicit head_dim (Qwen3: not hidden / heads). An MoE model adds
+        its experts and router, plus ``moe``'s training settings (None: ``MoESettings()``).
+        Routing, transformers' ``Qwen3MoeTopKRouter.forward`` against megatron-core 0.16.1's
+        ``moe_utils.topk_routing_with_score_function`` (score function softmax):
+
+        - transformers: p = softmax(logits) in fp32 over all experts, top-k of p, then with
+          ``norm_topk_prob`` p_topk / sum(p_topk).
+        - megatron, ``moe_router_pre_softmax=False``: top-k of the logits, then softmax over
+          those k logits = exp(l_i) / sum_topk exp(l_j) = p_i / sum(p_topk): the renormalised
+          case (top-k of logits and of softmax pick the same experts, softmax being monotonic).
+        - megatron, ``moe_router_pre_softmax=True``: softmax over all experts, then top-k, no
+          renormalisation: ``norm_topk_prob=False``.
+
+        So ``moe_router_pre_softmax = not norm_topk_prob`` (top_k = 1 with renormalisation,
+        a constant weight of 1, megatron refuses: raised here). No expert bias, no group-limited
+        routing, no scaling factor, no capacity (token dropping): as transformers.
+        """
+        kwargs: dict[str, Any] = {
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "num_attention_heads": self.num_attention_heads,
@@ -198,6 +218,22 @@ class HFModelConfig:
             "hidden_dropout": 0.0,
             "attention_dropout": 0.0,
             "init_method_std": self.initializer_range,
+            "qk_layernorm": self.qk_layernorm,
+        }
+        if not self.is_moe:
+            return kwargs
+        if self.moe_top_k == 1 and self.norm_topk_prob:
+            raise ValueError(
+                "num_experts_per_tok=1 with norm_topk_prob=true (every weight 1) is refused by "
+                "megatron-core's router (softmax over one logit has no gradient)"
+            )
+        return kwargs | {
+            "num_moe_experts": self.num_experts,
+            "moe_router_topk": self.moe_top_k,
+            "moe_ffn_hidden_size": self.moe_intermediate_size,
+            "moe_router_score_function": "softmax",
+            "moe_router_pre_softmax": not self.norm_topk_prob,
+            **(moe or MoESettings()).transformer_config_kwargs(),
         }
 
     def gpt_model_kwargs(

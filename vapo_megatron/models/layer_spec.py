@@ -23,12 +23,21 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from vapo_megatron.models.attention import ContextParallelDotProductAttention
 
 
-def local_layer_spec(*, normalization: str = "RMSNorm", qk_layernorm: bool = False) -> ModuleSpec:
-    """The local dense GPT layer spec with CP- and THD-capable core attention.
+def local_layer_spec(
+    *, normalization: str = "RMSNorm", qk_layernorm: bool = False, num_experts: int | None = None
+) -> ModuleSpec:
+    """The local GPT layer spec with CP- and THD-capable core attention.
 
     normalization: "RMSNorm" or "LayerNorm" (as in ``get_gpt_layer_local_spec``).
     qk_layernorm: normalise queries and keys per head before RoPE.
+    num_experts: None for a dense MLP; else megatron's ``MoELayer`` with ``SequentialMLP``
+    experts (one local MLP per expert: no grouped GEMM without Transformer Engine).
     """
-    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=qk_layernorm,
+        normalization=normalization,
+    )
     spec.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
     return spec

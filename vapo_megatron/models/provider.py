@@ -7,6 +7,12 @@ attention (context parallelism and packed sequences without Transformer Engine).
 the layer norms' parameters differently: ``layer_spec_kind`` tells the model record which names
 a built model has. On a GPU without TE the local spec's dense attention refuses context
 parallelism and long rows (``check_local_attention_fits``).
+
+Qwen3 adds per-head q/k norms (``qk_layernorm``: the project's RMSNorm in the local spec, TE's
+norm in TE's); Qwen3-MoE replaces every MLP by megatron's ``MoELayer``: ``SequentialMLP``
+experts in the local spec (the CPU path), ``TEGroupedMLP`` (grouped GEMM) in TE's when
+``gpu.moe_grouped_gemm`` resolves on (``uses_grouped_experts`` tells which). The MoE layer's
+pre-MLP norm stays a module of its own under TE (megatron's MoE spec does not fuse it).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -29,10 +36,12 @@ from megatron.core.transformer.transformer_block import (
 
 from vapo_megatron.config.gpu import ResolvedGpuSettings
 from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.moe import MoESettings
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.models.norm import RMSNorm
 from vapo_megatron.models.value_head import ValueHead
 from vapo_megatron.parallel.devices import init_device
+from vapo_megatron.parallel.moe_cpu_shim import apply_moe_cpu_shim
 
 if TYPE_CHECKING:  # the name table's spec kinds; models import nothing of weights/
     from vapo_megatron.weights.record import LayerSpecKind
@@ -65,8 +74,13 @@ def transformer_config(
     gpu: ResolvedGpuSettings | None = None,
     recompute: dict[str, object] | None = None,
     initialize: bool = True,
+    moe: MoESettings | None = None,
 ) -> TransformerConfig:
     """The TransformerConfig of ``hf`` under ``layout`` (fp32 or bf16 parameters).
+
+    ``moe``: an MoE model's router losses, router dtype and dispatcher (None: the defaults of
+    :class:`MoESettings`); the expert-parallel sizes come from ``layout.ep`` / ``etp``. A dense
+    model ignores both, and the GPU switches of experts (grouped GEMM, permute fusion).
 
     ``gpu``: the fusions :func:`gpu_settings.resolve` chose; None leaves megatron-core's
     defaults (every fusion off), as on CPU. ``recompute``: the ``recompute_*`` fields
@@ -79,8 +93,18 @@ def transformer_config(
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
     skip = {} if initialize else dict.fromkeys(INIT_METHODS, leave_uninitialised)
+    fusions = gpu.transformer_config_kwargs() if gpu is not None else {}
+    experts: dict[str, object] = {}
+    if hf.is_moe:
+        experts = {
+            "expert_model_parallel_size": layout.ep,
+            "expert_tensor_parallel_size": layout.expert_tp,
+        }
+    else:
+        fusions = {k: v for k, v in fusions.items() if not k.startswith("moe_")}
     return TransformerConfig(
-        **hf.transformer_config_kwargs(),
+        **hf.transformer_config_kwargs(moe),
+        **experts,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
@@ -94,15 +118,21 @@ def transformer_config(
         # (MEGATRON_ON_CPU.md, traps); the overlapped unbatched path is exact.
         overlap_p2p_comm=layout.vpp is not None,
         batch_p2p_comm=layout.vpp is None,
-        **(gpu.transformer_config_kwargs() if gpu is not None else {}),
+        **fusions,
         **(recompute or {}),
         **skip,
     )
 
 
-def default_layer_spec() -> ModuleSpec:
+def default_layer_spec(
+    hf: HFModelConfig | None = None, *, grouped_gemm: bool = False
+) -> ModuleSpec:
     """Transformer Engine's layer spec on a GPU with TE installed, else (with a logged warning
     on a GPU) :func:`local_spec`. ``layer_spec_kind`` tells which one a spec is.
+
+    ``hf``: the model (qk norms, experts); None: a dense model without qk norms (Qwen2,
+    Llama). ``grouped_gemm``: TE's grouped-GEMM experts (``gpu.moe_grouped_gemm`` resolved);
+    the local spec has SequentialMLP experts whatever it says.
 
     Without TE, megatron-core 0.16.1's ``get_gpt_layer_with_transformer_engine_spec()`` raises
     ``NameError('TESpecProvider')`` (its TE imports failed quietly at import time), so TE is
@@ -116,7 +146,11 @@ def default_layer_spec() -> ModuleSpec:
             )
 
             try:
-                return get_gpt_layer_with_transformer_engine_spec()
+                return get_gpt_layer_with_transformer_engine_spec(
+                    num_experts=hf.num_experts or None if hf is not None else None,
+                    moe_grouped_gemm=grouped_gemm,
+                    qk_layernorm=hf is not None and hf.qk_layernorm,
+                )
             except (ImportError, NameError) as err:  # installed but not importable
                 reason = f"megatron-core cannot use it ({type(err).__name__}: {err})"
         logger.warning(
@@ -126,43 +160,83 @@ def default_layer_spec() -> ModuleSpec:
             reason,
             LOCAL_ATTENTION_MAX_TOKENS,
         )
-    return local_spec()
+    return local_spec(hf)
 
 
-def local_spec() -> ModuleSpec:
+def local_spec(hf: HFModelConfig | None = None) -> ModuleSpec:
     """megatron-core's local layer spec with the project's core attention (context parallelism
-    and packed sequences without TE) and RMSNorm (HF numerics; sequence parallelism)."""
+    and packed sequences without TE) and RMSNorm (HF numerics; sequence parallelism), for the
+    model ``hf`` (None: dense, no qk norms): its q/k norms are the same RMSNorm (over
+    head_dim), its MoE layers megatron's with SequentialMLP experts."""
     from vapo_megatron.models.layer_spec import local_layer_spec
 
-    spec = local_layer_spec()
+    spec = local_layer_spec(
+        qk_layernorm=hf is not None and hf.qk_layernorm,
+        num_experts=hf.num_experts or None if hf is not None else None,
+    )
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    if hf is not None and hf.qk_layernorm:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = RMSNorm
+        attention.k_layernorm = RMSNorm
     return spec
 
 
 def layer_spec_kind(spec: ModuleSpec) -> LayerSpecKind:
     """'te' for Transformer Engine's GPT layer spec (each norm fused into the next linear,
-    ``TELayerNormColumnParallelLinear``, no norm modules of its own), 'local' for a spec with
+    ``TELayerNormColumnParallelLinear``, no norm modules of its own; an MoE layer keeps its
+    pre-MLP norm, which megatron does not fuse into the router), 'local' for a spec with
     separate norm modules and no fused norm (megatron's local spec, :func:`local_spec`): the
     ``layer_spec`` of the model's ``ModelRecord``. ValueError for anything else (e.g. TE's op
     fuser MLP), whose parameter names the record does not know."""
     sub = spec.submodules
     norms = [getattr(x, "module", x) for x in (sub.input_layernorm, sub.pre_mlp_layernorm)]
-    mlp = sub.mlp
+    mlp = getattr(sub.mlp, "module", None)
     linears = [sub.self_attention.submodules.linear_qkv]
-    if getattr(mlp, "module", None) is MLP:
-        linears.append(mlp.submodules.linear_fc1)
+    if mlp is MLP:
+        linears.append(sub.mlp.submodules.linear_fc1)
     fused = [_is_te_norm_linear(getattr(x, "module", x)) for x in linears]
     no_norms = [norm is IdentityOp for norm in norms]
-    if len(linears) == 2 and all(fused) and all(no_norms):
+    if mlp is MoELayer:  # no fused MLP norm: only the attention's input norm can be fused
+        if fused == [True] and no_norms == [True, False]:
+            return "te"
+        if fused == [False] and no_norms == [False, False]:
+            return "local"
+    elif mlp is MLP and all(fused) and all(no_norms):
         return "te"
-    if len(linears) == 2 and not any(fused) and not any(no_norms):
+    elif mlp is MLP and not any(fused) and not any(no_norms):
         return "local"
     raise ValueError(
-        f"layer spec with norms {norms}, MLP {getattr(mlp, 'module', mlp)} and linears "
+        f"layer spec with norms {norms}, MLP {getattr(sub.mlp, 'module', sub.mlp)} and linears "
         f"{linears}: the model record knows the parameter names of megatron-core's local GPT "
         "spec and of get_gpt_layer_with_transformer_engine_spec() (without the op fuser) only"
     )
+
+
+def uses_grouped_experts(spec: ModuleSpec) -> bool:
+    """Whether the spec's MoE experts are one grouped-GEMM module (TE's ``TEGroupedMLP``,
+    weights ``linear_fc1.weight{j}``) rather than ``SequentialMLP`` (``local_experts.{j}``);
+    False for a dense spec. The ``grouped_experts`` of the model's ``ModelRecord``."""
+    mlp = spec.submodules.mlp
+    if getattr(mlp, "module", None) is not MoELayer:
+        return False
+    experts = getattr(mlp.submodules.experts, "module", mlp.submodules.experts)
+    return experts.__name__ in ("TEGroupedMLP", "GroupedMLP")
+
+
+def check_spec_fits(hf: HFModelConfig, spec: ModuleSpec) -> None:
+    """ValueError when the layer spec lacks what ``hf`` computes (qk norms, experts) or has
+    what it does not: the model would build and load, then compute something else."""
+    attention = spec.submodules.self_attention.submodules
+    has_qk = attention.q_layernorm not in (None, IdentityOp)
+    has_moe = getattr(spec.submodules.mlp, "module", None) is MoELayer
+    if has_qk != hf.qk_layernorm or has_moe != hf.is_moe:
+        raise ValueError(
+            f"the layer spec has qk norms={has_qk}, MoE={has_moe} but the {hf.family} model "
+            f"has qk norms={hf.qk_layernorm}, MoE={hf.is_moe}: build the spec for this model "
+            "(default_layer_spec(hf) or local_spec(hf))"
+        )
 
 
 def _is_te_norm_linear(cls: object) -> bool:
@@ -256,13 +330,19 @@ def build_model(
         "pp": (pg_collection.pp.size(), config.pipeline_model_parallel_size),
         "cp": (pg_collection.cp.size(), config.context_parallel_size),
     }
+    if hf.is_moe:
+        sizes["ep"] = (pg_collection.ep.size(), config.expert_model_parallel_size)
+        sizes["etp"] = (pg_collection.expt_tp.size(), config.expert_tensor_parallel_size)
     if any(have != want for have, want in sizes.values()):
         raise ValueError(
             f"process groups (size, config size) {sizes} disagree: build the groups with the "
             f"layout the config was made from"
         )
     if layer_spec is None:
-        layer_spec = default_layer_spec()
+        layer_spec = default_layer_spec(hf, grouped_gemm=config.moe_grouped_gemm)
+    check_spec_fits(hf, layer_spec)
+    if hf.is_moe:
+        apply_moe_cpu_shim()  # nothing on a GPU
     check_local_attention_fits(layer_spec_kind(layer_spec), cp=config.context_parallel_size)
     tp = config.tensor_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size

@@ -2,14 +2,27 @@
 
 The policy and the critic each get a :class:`ModelGroups` from :func:`build_model_groups`, so
 they can take different layouts in one job. Ranks are laid out as megatron-core's default
-order "tp-cp-ep-dp-pp" (tp fastest, ep = 1)::
+order "tp-cp-ep-dp-pp" (tp fastest)::
 
     rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
+and, for the experts of an MoE model, as ``initialize_model_parallel``'s second rank generator
+cuts them (``parallel_state.py``: ``expert_decoder_rank_generator``, tp = etp, cp = 1,
+dp = edp, same order): each pipeline stage's tp * cp * dp ranks are split again as::
+
+    rank = etp_rank + etp * (ep_rank + ep * (edp_rank + edp * pp_rank))
+
 ``ModelGroups.pg_collection`` holds every group that megatron-core 0.16.1's GPTModel,
 DistributedDataParallel, get_megatron_optimizer, finalize_model_grads and the pipeline
-schedules read from a ``ProcessGroupCollection`` (MoE groups included: DDP and the optimizer
-ask for them even for dense models; with ep = 1 they coincide with the dense ones).
+schedules read from a ``ProcessGroupCollection``, the expert ones included (read from source):
+``ep`` (MoELayer's expert split and the token dispatcher's all-to-all, ``moe_layer.py``,
+``token_dispatcher.py``), ``expt_tp`` (experts' TP linears, dispatcher), ``tp_ep`` (the
+dispatcher's and the aux loss's token counts, ``moe_utils.py``), ``tp_ep_pp`` (the expert
+optimizer's grad-norm and clipping group, ``optimizer/__init__.py``), ``expt_dp`` and
+``intra_expt_dp`` (DDP's expert gradient buffers, reduced over expert DP for parameters with
+``allreduce=False``, ``distributed_data_parallel.py``; the expert distributed optimizer's shard
+group). DDP and the optimizer ask for them even for dense models; with ep = 1 and etp = tp
+they coincide with the dense ones.
 
 What stays process-global (one per process, shared by both models), and why that is harmless
 (found by recording every ``parallel_state`` getter and every collective without a group
@@ -50,6 +63,8 @@ from vapo_megatron.parallel.groups import ParallelGroups
 
 # Coordinates of a rank, fastest-varying first (megatron's "tp-cp-ep-dp-pp" with ep = 1).
 _DIMS = ("tp", "cp", "dp", "pp")
+# The same rank's coordinates in the expert layout (megatron's expert rank generator).
+EXPERT_DIMS = ("etp", "ep", "edp", "pp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +96,17 @@ class ModelGroups:
     """This rank's index in its context-parallel group."""
     dp_rank: int
     """This rank's data-parallel replica."""
+    ep_size: int = 1
+    """Expert-parallel size (1 for dense models)."""
+    etp_size: int = 1
+    """Expert tensor-parallel size (tp_size unless the layout sets etp)."""
+    edp_size: int = 1
+    """Expert data-parallel size (tp * cp * dp / (etp * ep))."""
+    ep_rank: int = 0
+    """This rank's index in its expert-parallel group: it holds experts
+    ep_rank * num_experts / ep_size onwards."""
+    etp_rank: int = 0
+    """This rank's index in its expert tensor-parallel group."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -110,6 +136,11 @@ class ModelGroups:
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             cp_rank=ps.get_context_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            edp_size=ps.get_expert_data_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
         )
 
 
@@ -121,8 +152,13 @@ def build_model_groups(
     world_size: int | None = None,
     host: dist.ProcessGroup | None = None,
     timeout: timedelta | None = None,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> ModelGroups:
     """New gloo/NCCL groups (the default backend) for one model with this layout.
+
+    ``ep``, ``etp``: expert-parallel and expert tensor-parallel sizes (MoE models; etp None:
+    tp), cut from the ranks of each pipeline stage as megatron does (module doc).
 
     Collective: every rank calls it with the same sizes, in the same order (once per model),
     because ``torch.distributed.new_group`` must be called by all ranks for every group.
@@ -135,7 +171,7 @@ def build_model_groups(
     ``destroy_global_memory_buffer()`` (``cpu_shim.initialize_megatron_cpu`` does that).
     """
     world = dist.get_world_size() if world_size is None else world_size
-    sizes = layout_sizes(tp=tp, pp=pp, cp=cp, world_size=world)
+    sizes = layout_sizes(tp=tp, pp=pp, cp=cp, world_size=world, ep=ep, etp=etp)
     if world != dist.get_world_size():
         raise ValueError(
             f"world_size={world_size} but torch.distributed has {dist.get_world_size()} ranks; "
@@ -144,6 +180,7 @@ def build_model_groups(
     pgs = _pg_collection(_GroupMaker(sizes, timeout))
     ensure_global_memory_buffer()
     me = _coordinates(dist.get_rank(), sizes)
+    expert = _coordinates(dist.get_rank(), sizes, EXPERT_DIMS)
     return ModelGroups(
         pg_collection=pgs,
         parallel=ParallelGroups(tp=pgs.tp, pp=pgs.pp, cp=pgs.cp, dp=pgs.dp, dp_cp=pgs.dp_cp),
@@ -157,6 +194,11 @@ def build_model_groups(
         pp_rank=me["pp"],
         cp_rank=me["cp"],
         dp_rank=me["dp"],
+        ep_size=sizes["ep"],
+        etp_size=sizes["etp"],
+        edp_size=sizes["edp"],
+        ep_rank=expert["ep"],
+        etp_rank=expert["etp"],
     )
 
 
@@ -183,6 +225,10 @@ class _GroupMaker:
         """This rank's group among ranks that differ only in the ``varying`` coordinates."""
         return self.mine(rank_groups(self.sizes, *varying))
 
+    def expert_group(self, *varying: str) -> dist.ProcessGroup:
+        """The same in the expert layout (``EXPERT_DIMS``: etp, ep, edp, pp)."""
+        return self.mine(rank_groups(self.sizes, *varying, dims=EXPERT_DIMS))
+
 
 def _pg_collection(make: _GroupMaker) -> ProcessGroupCollection:
     """Megatron's collection of one layout's groups, made in the same order on every rank."""
@@ -207,40 +253,53 @@ def _pg_collection(make: _GroupMaker) -> ProcessGroupCollection:
         intra_dp_cp=dp_cp,
         intra_dist_opt=everyone,
         inter_dist_opt=None,
-        # Expert groups at ep = 1, expert TP = TP: the dense groups under other names.
-        ep=make.group(),
-        expt_tp=tp_g,
-        tp_ep=tp_g,
-        tp_ep_pp=mp,
-        expt_dp=dp_cp,
-        intra_expt_dp=dp_cp,
+        # Expert groups (megatron's expert rank generator; at ep = 1 and etp = tp they are the
+        # dense tp, mp and dp_cp groups, found again in the cache).
+        **_expert_groups(make),
     )
 
 
-def _coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+def _expert_groups(make: _GroupMaker) -> dict[str, dist.ProcessGroup]:
+    """``ep``, ``expt_tp``, ``tp_ep``, ``tp_ep_pp``, ``expt_dp``, ``intra_expt_dp``, in the
+    order megatron's ``initialize_model_parallel`` makes them."""
+    expt_dp = make.expert_group("edp")
+    return {
+        "ep": make.expert_group("ep"),
+        "expt_tp": make.expert_group("etp"),
+        "tp_ep": make.expert_group("etp", "ep"),
+        "tp_ep_pp": make.expert_group("etp", "ep", "pp"),
+        "expt_dp": expt_dp,
+        "intra_expt_dp": expt_dp,  # one distributed-optimizer instance
+    }
+
+
+def _coordinates(rank: int, sizes: dict[str, int], dims: tuple[str, ...] = _DIMS) -> dict[str, int]:
     coords = {}
-    for dim in _DIMS:
+    for dim in dims:
         rank, coords[dim] = divmod(rank, sizes[dim])
     return coords
 
 
-def _rank(coords: dict[str, int], sizes: dict[str, int]) -> int:
+def _rank(coords: dict[str, int], sizes: dict[str, int], dims: tuple[str, ...] = _DIMS) -> int:
     rank = 0
-    for dim in reversed(_DIMS):
+    for dim in reversed(dims):
         rank = rank * sizes[dim] + coords[dim]
     return rank
 
 
-def rank_groups(sizes: dict[str, int], *varying: str) -> list[tuple[int, ...]]:
+def rank_groups(
+    sizes: dict[str, int], *varying: str, dims: tuple[str, ...] = _DIMS
+) -> list[tuple[int, ...]]:
     """Every group of ranks that differ only in the ``varying`` coordinates (``"tp"``: the TP
     groups), ordered by lowest rank, each in increasing rank order (its group ranks follow
-    that order): the order every rank creates them in."""
-    fixed = [d for d in _DIMS if d not in varying]
+    that order): the order every rank creates them in. ``dims``: the layout's coordinates,
+    fastest first: the dense one, or ``EXPERT_DIMS`` (``sizes`` from ``layout_sizes``)."""
+    fixed = [d for d in dims if d not in varying]
     groups = []
     for values in itertools.product(*(range(sizes[d]) for d in fixed)):
         base = dict(zip(fixed, values, strict=True))
         ranks = sorted(
-            _rank({**base, **dict(zip(varying, v, strict=True))}, sizes)
+            _rank({**base, **dict(zip(varying, v, strict=True))}, sizes, dims)
             for v in itertools.product(*(range(sizes[d]) for d in varying))
         )
         groups.append(tuple(ranks))

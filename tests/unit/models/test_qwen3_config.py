@@ -87,3 +87,27 @@ def test_expert_sizes_follow_megatrons_split():
         layout_sizes(tp=2, pp=2, cp=1, world_size=8, ep=4)
     with pytest.raises(ValueError, match=r"policy layout: etp \* ep = 1 \* 8"):
         check_layout_pair(ModelLayout(ep=8), ModelLayout(), 4)
+
+
+@pytest.mark.parametrize(
+    "tp,pp,cp,world,ep,etp",
+    [(1, 1, 1, 2, 2, None), (2, 1, 1, 4, 2, None), (2, 1, 1, 8, 4, 1), (2, 2, 1, 8, 2, None),
+     (1, 2, 2, 8, 4, None), (2, 2, 2, 16, 2, 1), (2, 1, 1, 4, 1, 1)],
+)  # fmt: skip
+def test_expert_rank_groups_equal_megatrons_expert_generator(tp, pp, cp, world, ep, etp):
+    from megatron.core.parallel_state import RankGenerator
+
+    from vapo_megatron.parallel.model_groups import EXPERT_DIMS, rank_groups
+
+    sizes = layout_sizes(tp=tp, pp=pp, cp=cp, world_size=world, ep=ep, etp=etp)
+    # parallel_state.initialize_model_parallel's expert_decoder_rank_generator
+    megatron = RankGenerator(
+        tp=sizes["etp"], ep=ep, dp=sizes["edp"], pp=pp, cp=1, order="tp-cp-ep-dp-pp"
+    )
+    ours = {"tp": "etp", "ep": "ep", "dp": "edp", "pp": "pp"}
+    for kind in (("ep",), ("tp",), ("tp", "ep"), ("tp", "ep", "pp"), ("dp",)):
+        want = sorted(tuple(r) for r in megatron.get_ranks("-".join(kind)))
+        got = rank_groups(sizes, *(ours[k] for k in kind), dims=EXPERT_DIMS)
+        assert got == want, kind
+    # the pipeline groups of both layouts are the same (megatron asserts it)
+    assert rank_groups(sizes, "pp", dims=EXPERT_DIMS) == rank_groups(sizes, "pp")
