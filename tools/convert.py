@@ -1,15 +1,17 @@
 """Convert checkpoints between Hugging Face and megatron-core, and check a conversion.
 
-    python tools/convert.py hf-to-mcore --hf DIR --out DIR --tp N --pp M
+    python tools/convert.py hf-to-mcore --hf DIR --out DIR --tp N --pp M [--ep E --etp T]
         [--critic-from policy|reward-model] [--dtype bf16|fp32] [--force]
     python tools/convert.py mcore-to-hf --ckpt DIR --out DIR [--hf-config DIR]
         [--max-shard-size 5GB] [--force]
     python tools/convert.py verify --hf DIR --ckpt DIR [--tp N --pp M]
 
-hf-to-mcore and verify run as TP x PP processes (gloo, on the CPU). Started plainly, the tool
+hf-to-mcore and verify run as TP x PP processes (gloo, on the CPU); with expert parallelism
+(MoE models: --ep, and --etp the expert TP, default TP) as PP x lcm(TP, ETP x EP), since
+megatron cuts the expert groups from the TP x DP ranks of a stage. Started plainly, the tool
 starts them itself on this machine; under torchrun/srun (WORLD_SIZE set) it is one of them and
-the world size must be a multiple of TP x PP. mcore-to-hf is one process and reads a checkpoint
-saved at any TP/PP. Each command prints, last, one JSON line with what it did. Exit status: 0
+the world size must be a multiple of that. mcore-to-hf is one process and reads a checkpoint
+saved at any TP/PP/EP. Each command prints, last, one JSON line with what it did. Exit status: 0
 done/passed, 1 verify out of tolerance, 2 bad input (the message says what to change).
 Details, memory and time: docs/convert.md.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "mcore-to-hf":
             return _mcore_to_hf(args)
-        world = args.tp * args.pp
+        world = _world_size(args)
         # Checked before starting ranks, so that bad input fails once and fast.
         if args.command == "hf-to-mcore":
             checked = _check_hf_to_mcore(args)
@@ -90,6 +93,12 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--out", required=True, help="checkpoint directory to write")
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor-parallel size to save at")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to save at")
+    to_mcore.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size to save at (MoE models)"
+    )
+    to_mcore.add_argument(
+        "--etp", type=int, help="expert tensor-parallel size to save at (default: --tp)"
+    )
     to_mcore.add_argument(
         "--critic-from",
         choices=["policy", "reward-model"],
@@ -119,13 +128,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _world_size(args: argparse.Namespace) -> int:
+    """Ranks a command runs as: PP x lcm(TP, expert TP x EP) (TP x PP without experts)."""
+    ep, etp = getattr(args, "ep", 1), getattr(args, "etp", None)
+    return args.pp * math.lcm(args.tp, (args.tp if etp is None else etp) * ep)
+
+
 # ----- commands -----
 
 
 def _check_hf_to_mcore(args: argparse.Namespace) -> conv.HFSource:
     dtype = DTYPES[args.dtype] if args.dtype else None
     source = conv.inspect_hf(args.hf, critic_from=args.critic_from, dtype=dtype)
-    conv.check_layout(source.hf, args.tp, args.pp)
+    conv.check_layout(source.hf, args.tp, args.pp, args.ep, args.etp)
     conv.check_output_dir(args.out, force=args.force, inputs=[args.hf])
     return source
 
@@ -133,7 +148,7 @@ def _check_hf_to_mcore(args: argparse.Namespace) -> conv.HFSource:
 def _hf_to_mcore(args: argparse.Namespace, source: conv.HFSource) -> int:
     from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 
-    initialize_megatron_cpu(tp=args.tp, pp=args.pp)
+    initialize_megatron_cpu(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     start = time.perf_counter()
     meta = conv.hf_to_mcore(source, args.out, force=args.force)
     seconds = time.perf_counter() - start
@@ -153,6 +168,8 @@ def _hf_to_mcore(args: argparse.Namespace, source: conv.HFSource) -> int:
         head=meta.head,
         tp=meta.tp,
         pp=meta.pp,
+        ep=args.ep,
+        etp=args.tp if args.etp is None else args.etp,
         dtype=meta.dtype,
         padded_vocab_size=meta.padded_vocab_size,
     )
@@ -327,7 +344,8 @@ def _init_process_group(world: int) -> None:
     dist.init_process_group("gloo")
     if dist.get_world_size() % world:
         raise ValueError(
-            f"WORLD_SIZE={dist.get_world_size()} is not a multiple of tp * pp = {world}"
+            f"WORLD_SIZE={dist.get_world_size()} is not a multiple of the {world} ranks the "
+            "layout needs (tp * pp, or pp * lcm(tp, etp * ep) with experts)"
         )
 
 

@@ -126,12 +126,10 @@ def inspect_hf(
     return HFSource(checkpoint, hf, head, critic_from, dtype)
 
 
-def check_layout(hf: HFModelConfig, tp: int, pp: int) -> None:
-    """ValueError naming the fix when TP/PP do not fit the model."""
-    from vapo_megatron.config.layout import ModelLayout
-
-    ModelLayout(tp=tp, pp=pp).check(hf)
-    if hf.intermediate_size % tp:
+def check_layout(hf: HFModelConfig, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+    """ValueError naming the fix when TP/PP (and EP / expert TP) do not fit the model."""
+    _layout(tp, pp, ep, etp).check(hf)
+    if not hf.is_moe and hf.intermediate_size % tp:
         raise ValueError(
             f"tp={tp} must divide intermediate_size={hf.intermediate_size}; pick another tp"
         )
@@ -175,11 +173,13 @@ def hf_to_mcore(
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    check_layout(source.hf, tp, pp)
+    ep = ps.get_expert_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
+    check_layout(source.hf, tp, pp, ep, etp)
     if dist.get_rank() == 0:
         prepare_output_dir(out_dir, force=force, inputs=[source.checkpoint.path])
     collectives.barrier(None)
-    state = _converted_state(source, tp, pp)
+    state = _converted_state(source, tp, pp, ep, etp)
     _split_fused(state)
     meta = make_metadata(
         source.checkpoint.config,
@@ -190,6 +190,7 @@ def hf_to_mcore(
         origin={
             "source": str(source.checkpoint.path.resolve()),
             "critic_from": source.critic_from,
+            **({"ep": ep, "etp": etp} if source.hf.is_moe else {}),
             **(origin or {}),
         },
     )
@@ -202,16 +203,26 @@ def hf_to_mcore(
     return meta
 
 
-def _converted_state(source: HFSource, tp: int, pp: int) -> dict[str, Any]:
-    """This rank's sharded state dict, made from its stage's HF tensors: the meta-device model
-    takes the record's shards as its parameters (``assign``), so they are the only copy."""
+def _converted_state(source: HFSource, tp: int, pp: int, ep: int, etp: int) -> dict[str, Any]:
+    """This rank's sharded state dict, made from its stage's HF tensors (its EP rank's
+    experts): the meta-device model takes the record's shards as its parameters (``assign``),
+    so they are the only copy."""
     from megatron.core import parallel_state as ps
 
-    (model,), config = _meta_model(source.hf, source.head, tp, pp, source.dtype)
+    (model,), config = _meta_model(source.hf, source.head, tp, pp, source.dtype, ep, etp)
     record = source.record()
-    chunk = ModelChunk.for_stage(config, ps.get_pipeline_model_parallel_rank())
+    chunk = ModelChunk.for_stage(
+        config,
+        ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+    )
     shards = record.hf_to_megatron_shards(
-        _hf_stream(source, record, chunk), ps.get_tensor_model_parallel_rank(), tp, chunk
+        _hf_stream(source, record, chunk),
+        ps.get_tensor_model_parallel_rank(),
+        tp,
+        chunk,
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_size=etp,
     )
     _, unexpected = model.load_state_dict(shards, strict=False, assign=True)
     still_meta = [name for name, param in model.named_parameters() if param.is_meta]
@@ -306,10 +317,13 @@ def mcore_to_hf(
 
 
 def _load_groups(maps: Mapping[str, Any]) -> Iterator[list[str]]:
-    """Megatron names in loading units: each decoder layer, and the rest one by one."""
+    """Megatron names in loading units: each decoder layer without its routed experts, each
+    routed expert (so a 128-expert layer is never held whole), and the rest one by one."""
 
     def unit(name: str) -> str:
         parts = name.split(".")
+        if name.startswith("decoder.layers.") and parts[3:6] == ["mlp", "experts", "local_experts"]:
+            return ".".join(parts[:7])
         return ".".join(parts[:3]) if name.startswith("decoder.layers.") else name
 
     for _, names in itertools.groupby(maps, key=unit):
@@ -350,19 +364,34 @@ def _read_request(sharded: Any, dtype: torch.dtype) -> tuple[list[Any], Any]:
 # ----- shared -----
 
 
-def _meta_model(hf: HFModelConfig, head: Head, tp: int, pp: int, dtype: torch.dtype):
+def _layout(tp: int, pp: int, ep: int = 1, etp: int | None = None):
+    """The ModelLayout a conversion builds its model at. Sequence parallelism changes no
+    weight; it is on where megatron-core requires it (EP with TP)."""
+    from vapo_megatron.config.layout import ModelLayout
+
+    return ModelLayout(tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1 and ep > 1)
+
+
+def _meta_model(
+    hf: HFModelConfig,
+    head: Head,
+    tp: int,
+    pp: int,
+    dtype: torch.dtype,
+    ep: int = 1,
+    etp: int | None = None,
+):
     """This rank's GPTModel chunks on the meta device (no memory) and their TransformerConfig.
 
     Always the local layer spec, whatever the machine has (so ``ModelRecord``'s default
     ``layer_spec="local"`` names its parameters): its checkpoint keys are Transformer Engine's
     too, and a TE model loads the result (``checkpoint.load_model_weights``)."""
-    from vapo_megatron.config.layout import ModelLayout
     from vapo_megatron.models.provider import build_model, local_spec, transformer_config
 
-    config = transformer_config(hf, ModelLayout(tp=tp, pp=pp), params_dtype=dtype)
+    config = transformer_config(hf, _layout(tp, pp, ep, etp), params_dtype=dtype)
     config.perform_initialization = False
     with torch.device("meta"):
-        return build_model(hf, config, head=head, layer_spec=local_spec()), config
+        return build_model(hf, config, head=head, layer_spec=local_spec(hf)), config
 
 
 def _init_single_process() -> None:

@@ -36,7 +36,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}
 
 
 def convert(job: dict) -> None:
-    initialize_megatron_cpu(tp=job["tp"], pp=job["pp"])
+    initialize_megatron_cpu(tp=job["tp"], pp=job["pp"], ep=job.get("ep", 1), etp=job.get("etp"))
     source = conv.inspect_hf(
         job["hf"], critic_from=job.get("critic_from"), dtype=DTYPES[job.get("dtype")]
     )
