@@ -214,10 +214,13 @@ def advantages_and_metrics(
         _whiten_and_measure(algo, policy, inputs, metrics, whitened=whiten_advantages)
     if policy is not None and inputs.rollout_logprobs is not None:
         total = int(inputs.responses.offsets[-1])
-        gap = logprob_gap_sum(
-            inputs.rollout_logprobs, policy.arrays["old_logprobs"], policy.held,
-            inputs.responses.offsets, policy.sums,
-        )  # fmt: skip
+        counting = policy.sums.counting
+        gap = torch.zeros((), dtype=torch.float64, device=HOST)
+        if counting is None or bool(counting.any()):  # a rank that counts none adds 0
+            gap = logprob_gap_sum(
+                inputs.rollout_logprobs, policy.arrays["old_logprobs"], policy.held,
+                inputs.responses.offsets, policy.sums,
+            )  # fmt: skip
         (gap_sum,) = policy.sums.total([gap])
         metrics["rollout/logprob_gap"] = gap_sum.item() / total
     return _token_fields(critic, policy), metrics
