@@ -449,13 +449,22 @@ def _figures(
     built = engine_bytes(engine)
     built["checkpoint"] = checkpoint["weights_bytes"] + checkpoint["optimizer_bytes"]
     pg = groups.parallel
+    experts = {}  # MoE under expert parallelism: megatron's expert groups too
+    if groups.ep_size > 1:
+        experts = {"ep": groups.ep_size, "etp": groups.etp_size, "edp": groups.edp_size}
     return {
         "role": role,
         "layout": {"tp": groups.tp_size, "pp": groups.pp_size, "cp": groups.cp_size,
-                   "dp": groups.dp_size, **({"vpp": layout.vpp} if layout.vpp else {})},
+                   "dp": groups.dp_size, **({"vpp": layout.vpp} if layout.vpp else {}),
+                   **experts},
         "coords": {"tp": groups.tp_rank, "pp": pp_rank, "cp": groups.cp_rank,
-                   "dp": groups.dp_rank},
-        "groups": {name: _ranks(getattr(pg, name)) for name in ("tp", "pp", "cp", "dp", "dp_cp")},
+                   "dp": groups.dp_rank,
+                   **({"ep": groups.ep_rank, "etp": groups.etp_rank} if experts else {})},
+        "groups": {
+            **{name: _ranks(getattr(pg, name)) for name in ("tp", "pp", "cp", "dp", "dp_cp")},
+            **{name: _ranks(getattr(groups.pg_collection, name))
+               for name in (("ep", "expt_dp") if experts else ())},
+        },
         "param_count": sum(p.numel() for c in engine.chunks for p in c.parameters()),
         "built": built,
         "planned": {

@@ -147,3 +147,54 @@ def test_ranks_outside_the_world_are_refused() -> None:
                    "--model", "qwen2.5-7b", timeout=60)  # fmt: skip
     assert done.returncode == 2
     assert "--ranks [0, 8]: each must be in 0..7" in done.stderr
+
+
+def assert_planner_bytes(report: dict, role: str) -> None:
+    """Parameters, grads and Adam of the built objects equal the planner's to the byte."""
+    model = report[role]
+    assert model["param_count"] == model["planned_param_count"], (role, model["layout"])
+    built, planned = model["built_bytes"], model["planned_bytes"]
+    for key in ("params", "grads", "optimizer"):
+        assert built[key] == planned[key], (report["rank"], role, key, built, planned)
+
+
+@pytest.mark.slow  # ~2.5 min on 2 shared cores: 48 checkpoint peers built on meta
+@pytest.mark.timeout(900)
+def test_rm7b_recipe_at_world_128_builds_each_model_from_its_own_config() -> None:
+    """The 32B policy and the 7B critic of its own (critic.model, a preset here), each at the
+    layout the planner picked, built by the trainer's code at 128 ranks."""
+    done = dry_run("vapo_qwen2.5_32b_rm7b.yaml", "--world-size", "128", "--ranks", "0,127",
+                   "--model", "qwen2.5-32b", "critic.model=acemath-7b-rm-32k", timeout=840)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    first, last = last_json(done.stdout)["ranks"]
+    for report in (first, last):
+        assert report["policy"]["layout"] == {"tp": 4, "pp": 1, "cp": 1, "dp": 32}
+        assert report["critic"]["layout"] == {"tp": 4, "pp": 2, "cp": 1, "dp": 16}
+        for role in ("policy", "critic"):
+            assert_planner_bytes(report, role)
+        assert report["data_path"] == "routed"  # another layout: values go to the owners
+    # 28 layers of 3584 over TP 4 and PP 2, the last stage with the value head.
+    assert (first["critic"]["coords"]["pp"], last["critic"]["coords"]["pp"]) == (0, 1)
+    assert first["critic"]["param_count"] != last["critic"]["param_count"]
+    assert "with the critic acemath-7b-rm-32k at world size 128" in done.stdout
+
+
+@pytest.mark.slow  # minutes: 96 checkpoint peers of a 235B MoE and a 32B critic on meta
+@pytest.mark.timeout(3000)
+def test_235b_recipe_at_world_256_agrees_with_the_planner() -> None:
+    """Qwen3-235B-A22B at TP 4 x EP 32 with its Qwen3-32B critic at TP 8, 256 ranks: the
+    expert groups and the experts' Adam over expert DP 2, to the byte."""
+    done = dry_run("vapo_qwen3_235b_a22b.yaml", "--world-size", "256", "--ranks", "0,255",
+                   "--model", "qwen3-235b-a22b", "critic.model=qwen3-32b", timeout=2900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    first, last = last_json(done.stdout)["ranks"]
+    for report in (first, last):
+        policy = report["policy"]
+        assert policy["layout"] == {"tp": 4, "pp": 1, "cp": 1, "dp": 64, "ep": 32, "etp": 4,
+                                    "edp": 2}  # fmt: skip
+        assert report["critic"]["layout"] == {"tp": 8, "pp": 1, "cp": 1, "dp": 32}
+        for role in ("policy", "critic"):
+            assert_planner_bytes(report, role)
+        assert len(policy["groups"]["ep"]) == 32 and len(policy["groups"]["expt_dp"]) == 2
+    assert first["policy"]["coords"]["ep"] == 0 and last["policy"]["coords"]["ep"] == 31
+    assert first["vllm_replica_ranks"] == list(range(8)) and last["vllm_replica"] == 31
