@@ -15,6 +15,7 @@ from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.config import checks
 from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.moe import MoESettings
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.config.recompute import RecomputeSettings
 
@@ -55,6 +56,8 @@ class PolicySettings:
     """Megatron checkpoint of the policy (tools/convert.py hf-to-mcore); None: read model.path's weights."""
     recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
     """Activation recompute of the policy (off by default)."""
+    moe: MoESettings = field(default_factory=MoESettings)
+    """MoE policies: router losses (off), router dtype (fp32), token dispatcher (alltoall); config/moe.py says why."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +80,8 @@ class CriticSettings:
     """critic_init=policy: std of the new value head's weights (0: values start at 0)."""
     recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
     """Activation recompute of the critic (off by default)."""
+    moe: MoESettings = field(default_factory=MoESettings)
+    """MoE critics: router losses (off), router dtype (fp32), token dispatcher (alltoall); config/moe.py says why."""
 
 
 @dataclass(frozen=True, kw_only=True)
