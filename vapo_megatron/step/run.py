@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import torch
+
 from vapo_megatron.step.advantages import advantages_and_metrics
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
 from vapo_megatron.step.rollout import rollout_metrics, step_rollouts
@@ -65,7 +67,7 @@ def run_step(
     metrics["data/shard_path"] = float(route.name == "shards")
     inputs = StepInputs(
         trajectories.prompts, trajectories.responses, trajectories.reward,
-        trajectories.rollout_logprobs,
+        trajectories.rollout_logprobs, routes=step_routes(trajectories),
     )  # fmt: skip
     scored = route.score(
         models, inputs, algo=cfg.algorithm, monte_carlo=pretrain,
@@ -150,7 +152,7 @@ def update_models(
             else [True] * len(trajectories)
         ),
         route=route, rollout_logprobs=trajectories.rollout_logprobs,
-        correction=cfg.algorithm.rollout_correction,
+        correction=cfg.algorithm.rollout_correction, routes=step_routes(trajectories),
     )  # fmt: skip
     num_minibatches = _num_minibatches(session)
     metrics = run_updates(
@@ -165,6 +167,13 @@ def update_models(
     if any(name.startswith("policy/") for name in metrics):  # the policy took a step
         session.rollout_synced = False
     return metrics
+
+
+def step_routes(trajectories: Trajectories) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The engine's routes and their offsets (routing replay), or None."""
+    if trajectories.routes is None:
+        return None
+    return trajectories.routes, trajectories.route_offsets()
 
 
 def warn_on_logprob_gap(metrics: dict[str, float], step: int, limit: float) -> None:

@@ -208,7 +208,7 @@ def _samples(share: StepShare, inputs: StepInputs, cp: int) -> list[Sample]:
 
     return build_samples(
         inputs.prompts, inputs.responses, share.ids.tolist(), inputs.responses.offsets,
-        local_index if cp > 1 else None, flat_index=cp > 1,
+        local_index if cp > 1 else None, flat_index=cp > 1, routes=inputs.routes,
     )  # fmt: skip
 
 

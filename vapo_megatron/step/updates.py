@@ -18,7 +18,7 @@ import torch
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_weights
 from vapo_megatron.data.packing import MicroBatch, Sample
-from vapo_megatron.parallel.collectives import all_gather_objects
+from vapo_megatron.parallel.collectives import all_gather_objects, all_reduce
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.parallel.reductions import LossNormalisers, global_loss_normalisers
 from vapo_megatron.step.batching import ROUTES, Ragged, build_samples, dp_share, micro_batches
@@ -280,7 +280,20 @@ def train_on_micro_batches(
     metrics = engine.step()
     metrics.update(sum_shares(engine, outputs))
     metrics["num_tokens"] = float(norm.num_tokens)
+    if engine.router_replay is not None:
+        metrics["route_agreement"] = route_agreement(engine)
     return metrics
+
+
+def route_agreement(engine: ModelEngine) -> float:
+    """The share of the engine's given experts (routing replay) that the model's own top-k
+    also picked, over every forward since the last call (this step's scoring pass and
+    updates), all ranks' routers (float64 sums over the host group; a TP replica counts its
+    tokens again, which leaves the share as it is). NaN when nothing was given."""
+    sums = engine.router_replay.take_agreement()
+    all_reduce(sums, engine.groups.host)
+    hits, given = sums.tolist()
+    return hits / given if given else float("nan")
 
 
 def sum_shares(engine: ModelEngine, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:

@@ -21,6 +21,7 @@ CONSOLE_KEYS = (
     ("critic/explained_variance", "ev", "{:+.3f}"),
     ("policy/clip_frac_high", "clip_hi", "{:.3f}"),
     ("rollout/logprob_gap", "gap", "{:.1e}"),
+    ("policy/route_agreement", "routes", "{:.3f}"),  # MoE routing replay (step/updates.py)
     ("time/step", "s", "{:.1f}"),
 )
 

@@ -116,18 +116,16 @@ def build_groups(
     in its own layout, every one bounded by ``trainer.dist_timeout_minutes``, then megatron's
     process-global scratch buffer and RNG tracker. Collective: every rank calls it at the
     same point (``planning/dry_run.py`` too)."""
-    policy, critic = config.policy.layout, config.critic.layout
     policy = build_model_groups(
-        tp=policy.tp, pp=policy.pp, cp=policy.cp, ep=policy.ep, etp=policy.etp,
+        tp=config.policy.layout.tp, pp=config.policy.layout.pp, cp=config.policy.layout.cp,
         host=host_group, timeout=dist_timeout(config),
     )  # fmt: skip
+    critic = None
     if config.algorithm.uses_critic:
         critic = build_model_groups(
-            tp=critic.tp, pp=critic.pp, cp=critic.cp, ep=critic.ep, etp=critic.etp,
+            tp=config.critic.layout.tp, pp=config.critic.layout.pp, cp=config.critic.layout.cp,
             host=host_group, timeout=dist_timeout(config),
         )  # fmt: skip
-    else:
-        critic = None
     ensure_global_memory_buffer()
     seed_rng_tracker(policy, seed=config.trainer.seed)
     return policy, critic
@@ -207,6 +205,13 @@ class Session:
         self.hf = HFModelConfig.from_hf(hf_io.read_config(config.model.path))
         self.policy_groups, self.critic_groups = build_groups(config, self.host_group)
         self.policy = build_engine(config, self.hf, "policy", self.policy_groups)
+        if config.algorithm.routing_replay == "rollout":  # R3: the engine's routes (MoE)
+            if not self.hf.is_moe:
+                raise ValueError(
+                    f"algorithm.routing_replay=rollout needs an MoE policy; {config.model.path} "
+                    "is dense: set algorithm.routing_replay=none"
+                )
+            self.policy.track_routes(replay=True)
         policy_tensors = self._load_policy()
         self.critic = self.critic_hf_config = self.critic_hf = None
         if config.algorithm.uses_critic:
@@ -376,6 +381,7 @@ def start_rollout(
             # After temperature (and top-p): at top_p = 1 these equal the Megatron policy's
             # log-probs at the sampling temperature, which the log-prob gap compares with.
             logprobs_mode="processed_logprobs",
+            record_routes=config.algorithm.routing_replay == "rollout",
         ),
         training_offload=training_offload,
     )  # fmt: skip
