@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vapo_megatron.config.gpu import GpuSettings, resolve
 from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.config.moe import MoESettings
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.data.packing import MicroBatch
@@ -48,6 +49,7 @@ from vapo_megatron.models.provider import (
     default_layer_spec,
     layer_spec_kind,
     transformer_config,
+    uses_grouped_experts,
 )
 from vapo_megatron.models.router_replay import ModelRouterReplay
 from vapo_megatron.parallel.devices import training_device
@@ -67,7 +69,19 @@ class ModelEngine:
     ``recompute``: activation recompute (``config.recompute.RecomputeSettings``); None: off.
     ``initialize``: False skips megatron's random initialisation, for a caller that loads
     every parameter next (``load_hf`` or a checkpoint; at 32B both models would otherwise be
-    drawn on the GPU only to be overwritten).
+    drawn on the GPU only to be overwritten). ``moe``: an MoE model's router losses, router
+    dtype and dispatcher (None: ``MoESettings()``); its expert groups are ``groups``' (EP and
+    expert TP of the layout).
+
+    MoE: megatron marks expert parameters ``allreduce=False``; DDP (``distributed_data_
+    parallel.py``) puts them in their own buffers, reduced over the expert-DP group
+    (``pg_collection.expt_dp``) and scaled by 1 / (dp * cp) like the dense ones (each expert's
+    gradient already sums the tokens its EP group routed to it), and ``get_megatron_optimizer``
+    gives them an optimizer of their own over that group (distributed optimizer: sharded over
+    expert DP), their grad norm reduced over ``tp_ep_pp``. The router's load-balancing and
+    z-losses (``MoESettings``, off by default) reach the gradient through megatron's
+    ``MoEAuxLossAutoScaler``, which the schedule scales by cp / num_microbatches
+    (``schedules.py`` ``forward_step``): the per-micro-batch mean, outside the loss shares.
     """
 
     def __init__(
@@ -83,16 +97,13 @@ class ModelEngine:
         gpu: GpuSettings | None = None,
         recompute: RecomputeSettings | None = None,
         initialize: bool = True,
+        moe: MoESettings | None = None,
     ):
         layout.check(hf)
         apply_megatron_patches()  # GQA with fewer KV heads than TP ranks: the model's TP group
         self.hf, self.layout, self.head = hf, layout, head
         self.groups = _checked_groups(layout, groups)
         seed_rng_tracker(self.groups)
-        if layer_spec is None:
-            layer_spec = default_layer_spec()
-        # The record names the parameters of the spec the model is built with (TE fuses norms).
-        self.record = ModelRecord(hf, head, layer_spec=layer_spec_kind(layer_spec))
         # Fusions and overlaps: all off on CPU. The overlaps' hooks are this engine's: it sets
         # megatron's no_sync_func (_build_chunks) and gathers parameters before reading them
         # (gather_params; gpu_settings.py says why both are needed).
@@ -103,10 +114,17 @@ class ModelEngine:
             overlap_hooks=True,
             name="critic" if head == "value" else "policy",
         )
+        if layer_spec is None:
+            layer_spec = default_layer_spec(hf, grouped_gemm=self.gpu.moe_grouped_gemm)
+        # The record names the parameters of the spec the model is built with (TE fuses norms).
+        self.record = ModelRecord(
+            hf, head, layer_spec=layer_spec_kind(layer_spec),
+            grouped_experts=uses_grouped_experts(layer_spec),
+        )  # fmt: skip
         self.config = transformer_config(
             hf, layout, params_dtype=params_dtype, gpu=self.gpu,
             recompute=recompute.transformer_config_kwargs() if recompute is not None else None,
-            initialize=initialize,
+            initialize=initialize, moe=moe,
         )  # fmt: skip
         self.config.finalize_model_grads_func = finalize_model_grads
         self.device = training_device()
@@ -178,6 +196,8 @@ class ModelEngine:
             self.config,
             tp_rank=self.tp_rank,
             pp_rank=self.pp_rank,
+            ep_rank=self.groups.ep_rank,
+            etp_rank=self.groups.etp_rank,
         )
         self.optimizer.reload_model_params()
 
@@ -201,6 +221,8 @@ class ModelEngine:
             self.config,
             tp_group=self.groups.pg_collection.tp,
             pp_rank=self.pp_rank,
+            ep_group=self.groups.pg_collection.ep,
+            expt_tp_group=self.groups.pg_collection.expt_tp,
         )
 
     @property
@@ -323,15 +345,15 @@ class ModelEngine:
 
 def _checked_groups(layout: ModelLayout, groups: ModelGroups | None) -> ModelGroups:
     """``groups`` (None: the layout ``parallel_state`` was initialised with), refused unless
-    they have the layout's TP, PP and CP sizes."""
+    they have the layout's TP, PP, CP, EP and expert TP sizes."""
     if groups is None:
         groups = ModelGroups.from_parallel_state()
-    have = (groups.tp_size, groups.pp_size, groups.cp_size)
-    if have != (layout.tp, layout.pp, layout.cp):
+    have = (groups.tp_size, groups.pp_size, groups.cp_size, groups.ep_size, groups.etp_size)
+    want = (layout.tp, layout.pp, layout.cp, layout.ep, layout.expert_tp)
+    if have != want:
         raise ValueError(
-            f"layout tp, pp, cp = {(layout.tp, layout.pp, layout.cp)} but the process groups "
-            f"have {have}: build the groups with build_model_groups(tp=, pp=, cp=) of this "
-            f"layout"
+            f"layout tp, pp, cp, ep, etp = {want} but the process groups have {have}: build "
+            f"the groups with build_model_groups(tp=, pp=, cp=, ep=, etp=) of this layout"
         )
     return groups
 

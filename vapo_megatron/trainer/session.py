@@ -116,16 +116,18 @@ def build_groups(
     in its own layout, every one bounded by ``trainer.dist_timeout_minutes``, then megatron's
     process-global scratch buffer and RNG tracker. Collective: every rank calls it at the
     same point (``planning/dry_run.py`` too)."""
+    policy, critic = config.policy.layout, config.critic.layout
     policy = build_model_groups(
-        tp=config.policy.layout.tp, pp=config.policy.layout.pp, cp=config.policy.layout.cp,
+        tp=policy.tp, pp=policy.pp, cp=policy.cp, ep=policy.ep, etp=policy.etp,
         host=host_group, timeout=dist_timeout(config),
     )  # fmt: skip
-    critic = None
     if config.algorithm.uses_critic:
         critic = build_model_groups(
-            tp=config.critic.layout.tp, pp=config.critic.layout.pp, cp=config.critic.layout.cp,
+            tp=critic.tp, pp=critic.pp, cp=critic.cp, ep=critic.ep, etp=critic.etp,
             host=host_group, timeout=dist_timeout(config),
         )  # fmt: skip
+    else:
+        critic = None
     ensure_global_memory_buffer()
     seed_rng_tracker(policy, seed=config.trainer.seed)
     return policy, critic
