@@ -1,22 +1,25 @@
 """A synthetic task with long, variable-length reasoning: trace a register through a short program.
 
-A problem gives a start value, a program of 2 to ``MAX_OPS`` lettered operations (each adds or
-subtracts 1..9, modulo 100) and a number of steps, e.g.
-"Run 5 steps from 37: a=+7 b=-3 c=+5". The worked solution applies the program cyclically, one
-step a line, numbering the lines and naming the operation, and ends with the answer line::
+A problem gives a start value (0..9), a program of 2 to ``MAX_OPS`` lettered operations (each
+adds or subtracts 1..9, modulo 100) and a number of rounds (1..9), e.g.
+"Run 2 rounds from 7: a=+7 b=-3 c=+5". The worked solution applies the program round after
+round, one operation a line, naming the round and the operation, and ends with the answer line::
 
-    1 a:37+7=44
-    2 b:44-3=41
-    3 c:41+5=46
-    4 a:46+7=53
-    5 b:53-3=50
-    Answer: 50
+    1 a:7+7=14
+    1 b:14-3=11
+    1 c:11+5=16
+    2 a:16+7=23
+    2 b:23-3=20
+    2 c:20+5=25
+    Answer: 25
 
-Every step is the same small lookup (the operation by its letter, the letter by the previous
-one, the line number by the previous one) and one sum modulo 100, so every number is one token
-of the tiny tokenizer and every line has the same shape (~9 tokens). The steps run from
-``MIN_STEPS`` to ``MAX_STEPS``, drawn with more weight on the short end (``_draw_steps``), so
-responses run from ~40 to ~550 tokens (mean ~180): long chain-of-thought in miniature.
+Every step is the same small lookup (the operation by its letter, the next letter and round by
+the previous line's) and one sum modulo 100. Every number in a prompt is one digit, so a
+prompt is the same tokens whichever way digits are grouped (transformers' Qwen2 tokenizer
+splits every digit, the tiny tokenizer groups them; see tiny_long.py); the numbers of the
+responses, which only the model writes, are each one token of the tiny tokenizer, ~9 tokens
+a line. Rounds x operations run from 2 to 63 lines: responses of ~25 to ~575 tokens, mean
+~210, spread over the whole range: long chain-of-thought in miniature.
 
 A slip (``worked_solution(..., slip_rate=)``) is a line whose result is off by 1 or 2 and is
 carried on, so a slip on any line, the first or the fifty-fifth, breaks the answer. The tiny
@@ -38,51 +41,49 @@ import string
 from collections.abc import Collection
 from pathlib import Path
 
-MIN_STEPS = 4
-"""Fewest steps (solution lines before the answer)."""
-MAX_STEPS = 60
-"""Most steps: with the answer line ~550 tokens."""
-STEPS_SKEW = 2.5
-"""Steps are MIN_STEPS + (MAX_STEPS - MIN_STEPS) * u ** STEPS_SKEW, u uniform: more short ones."""
+MAX_ROUNDS = 9
+"""Rounds (passes through the program) run from 1 to MAX_ROUNDS: one digit in the prompt."""
 MIN_OPS = 2
-MAX_OPS = 4
-"""Operations in a program, named a, b, c, d."""
+MAX_OPS = 7
+"""Operations in a program, named a..g; steps = rounds x operations, 2 to 63 lines."""
+MAX_START = 9
+"""The start value is 0..MAX_START: one digit in the prompt."""
 MAX_OPERAND = 9
 """Each operation adds or subtracts 1..MAX_OPERAND."""
 MODULUS = 100
-"""Values stay in 0..MODULUS-1 (one token each)."""
+"""Values stay in 0..MODULUS-1 (one token each in the responses)."""
 DATA_SOURCE = "long_trace"
 """The rows' data_source; the reward registry routes it to the long_trace verifier."""
 PREFIX = "Run "
 SLIPS = (-2, -1, 1, 2)
 """How far a slipped line's result is off (modulo MODULUS)."""
 _LETTERS = string.ascii_lowercase[:MAX_OPS]
-_PROMPT = re.compile(r"Run (\d+) steps from (\d+): (.+)")
+_PROMPT = re.compile(r"Run (\d) rounds from (\d): (.+)")
 _OP = re.compile(r"([a-z])=([-+])(\d)")
 _MAX_DRAWS_PER_ROW = 100
 
 Problem = tuple[int, int, list[tuple[str, int]]]
-"""(steps, start value, program as (op '+'/'-', operand) in letter order)."""
+"""(rounds, start value, program as (op '+'/'-', operand) in letter order)."""
 
 
 def make_problem(rng: random.Random) -> tuple[str, str, str]:
     """One problem drawn with ``rng``: (prompt text, answer string, solution text)."""
-    steps = _draw_steps(rng)
-    start = rng.randrange(MODULUS)
+    rounds = rng.randint(1, MAX_ROUNDS)
+    start = rng.randint(0, MAX_START)
     program = [
         (rng.choice("+-"), rng.randint(1, MAX_OPERAND))
         for _ in range(rng.randint(MIN_OPS, MAX_OPS))
     ]
-    problem = (steps, start, program)
+    problem = (rounds, start, program)
     answer, solution = worked_solution(problem)
     return format_prompt(problem), answer, solution
 
 
 def format_prompt(problem: Problem) -> str:
     """The prompt text of ``problem``."""
-    steps, start, program = problem
+    rounds, start, program = problem
     ops = " ".join(f"{_LETTERS[i]}={op}{x}" for i, (op, x) in enumerate(program))
-    return f"{PREFIX}{steps} steps from {start}: {ops}"
+    return f"{PREFIX}{rounds} rounds from {start}: {ops}"
 
 
 def parse(prompt: str) -> Problem:
@@ -91,16 +92,15 @@ def parse(prompt: str) -> Problem:
     if match is None:
         raise ValueError(f"not a long_trace problem: {prompt!r}")
     ops = [_OP.fullmatch(term) for term in match[3].split(" ")]
-    steps, start = int(match[1]), int(match[2])
+    rounds, start = int(match[1]), int(match[2])
     if (
         any(m is None for m in ops)
         or "".join(m[1] for m in ops) != _LETTERS[: len(ops)]
         or not MIN_OPS <= len(ops) <= MAX_OPS
-        or not 1 <= steps
-        or not 0 <= start < MODULUS
+        or not 1 <= rounds
     ):
         raise ValueError(f"not a long_trace problem: {prompt!r}")
-    return steps, start, [(m[2], int(m[3])) for m in ops]
+    return rounds, start, [(m[2], int(m[3])) for m in ops]
 
 
 def solve(prompt: str) -> tuple[str, str]:
@@ -111,7 +111,8 @@ def solve(prompt: str) -> tuple[str, str]:
 def worked_solution(
     problem: Problem, *, slip_rate: float = 0.0, rng: random.Random | None = None
 ) -> tuple[str, str]:
-    """(answer, solution): one numbered line per step, then the answer line.
+    """(answer, solution): one line per step (its round and its operation's letter), then the
+    answer line.
 
     With ``slip_rate`` > 0 each line's result is, with that probability (drawn from ``rng``),
     off by one of ``SLIPS`` modulo MODULUS, and the next lines go on from it: the returned
@@ -121,14 +122,15 @@ def worked_solution(
         raise ValueError(f"slip_rate must be in [0, 1), got {slip_rate}")
     if slip_rate > 0 and rng is None:
         raise ValueError("slip_rate > 0 needs an rng to draw the slips from")
-    steps, value, program = problem
+    rounds, value, program = problem
     lines = []
-    for i in range(steps):
+    for i in range(rounds * len(program)):
         op, operand = program[i % len(program)]
         result = (value + operand if op == "+" else value - operand) % MODULUS
         if slip_rate > 0 and rng.random() < slip_rate:
             result = (result + rng.choice(SLIPS)) % MODULUS
-        lines.append(f"{i + 1} {_LETTERS[i % len(program)]}:{value}{op}{operand}={result}")
+        round_, letter = i // len(program) + 1, _LETTERS[i % len(program)]
+        lines.append(f"{round_} {letter}:{value}{op}{operand}={result}")
         value = result
     lines.append(f"Answer: {value}")
     return str(value), "\n".join(lines)
@@ -174,10 +176,6 @@ def make_splits(out_dir: str | Path, n_train: int, n_eval: int, seed: int) -> tu
     for path, rows in zip(paths, (train_rows, eval_rows), strict=True):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return paths
-
-
-def _draw_steps(rng: random.Random) -> int:
-    return MIN_STEPS + round((MAX_STEPS - MIN_STEPS) * rng.random() ** STEPS_SKEW)
 
 
 def read_rows(path: str | Path) -> list[dict[str, str]]:

@@ -37,8 +37,8 @@ from vapo_megatron.rewards.long_trace import grade
 
 logger = logging.getLogger("vapo_megatron")
 
-MAX_RESPONSE_TOKENS = 640
-"""Sampling cap: the longest correct response is ~550 tokens."""
+MAX_RESPONSE_TOKENS = 700
+"""Sampling cap: the longest correct response is ~575 tokens."""
 MAX_POSITIONS = 1024
 """The models' max_position_embeddings (tiny_qwen2_config's); prompt + response stay below."""
 
@@ -64,7 +64,16 @@ def write_long_policy(
     tokenizer = train_tokenizer([t for r in rows for t in (r["prompt"], solve(r["prompt"])[1])])
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(tiny_qwen2_config(tokenizer))
-    prompts = [prompt_ids(row, tokenizer) for row in rows]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out_dir)
+    # Prompts as the trainer and vLLM will encode them: transformers loads this directory as a
+    # Qwen2Tokenizer, whose pre-tokenizer splits every digit (the trained one groups them);
+    # responses are the model's own tokens, which nobody re-encodes.
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(out_dir)
+    prompts = [prompt_ids(row, loaded) for row in rows]
     problems = [parse(row["prompt"]) for row in rows]
     slip_rng = random.Random(seed + 1)
 
@@ -87,10 +96,7 @@ def write_long_policy(
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
     return result
 
 

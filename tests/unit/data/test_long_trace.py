@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import random
+import re
 import statistics
 
 import pytest
 
 from vapo_megatron.data.long_trace import (
     DATA_SOURCE,
-    MAX_STEPS,
-    MIN_STEPS,
-    MODULUS,
+    MAX_ROUNDS,
+    MAX_START,
     first_slip,
     format_prompt,
     make_problem,
@@ -29,36 +29,39 @@ pytestmark = pytest.mark.unit
 
 
 def test_worked_solution_by_hand():
-    problem = (5, 97, [("+", 5), ("-", 8)])
+    problem = (3, 7, [("-", 9), ("+", 5)])
     answer, solution = worked_solution(problem)
     assert solution.split("\n") == [
-        "1 a:97+5=2",  # modulo 100
-        "2 b:2-8=94",
-        "3 a:94+5=99",
-        "4 b:99-8=91",
-        "5 a:91+5=96",
-        "Answer: 96",
+        "1 a:7-9=98",  # modulo 100
+        "1 b:98+5=3",
+        "2 a:3-9=94",
+        "2 b:94+5=99",
+        "3 a:99-9=90",
+        "3 b:90+5=95",
+        "Answer: 95",
     ]
-    assert answer == "96"
-    assert format_prompt(problem) == "Run 5 steps from 97: a=+5 b=-8"
-    assert parse("Run 5 steps from 97: a=+5 b=-8") == problem
+    assert answer == "95"
+    assert format_prompt(problem) == "Run 3 rounds from 7: a=-9 b=+5"
+    assert parse("Run 3 rounds from 7: a=-9 b=+5") == problem
 
 
 def test_problems_round_trip_and_solve():
     rng = random.Random(3)
     for _ in range(200):
         prompt, answer, solution = make_problem(rng)
-        steps, start, program = parse(prompt)
-        assert MIN_STEPS <= steps <= MAX_STEPS and 0 <= start < MODULUS
+        rounds, start, program = parse(prompt)
+        assert 1 <= rounds <= MAX_ROUNDS and 0 <= start <= MAX_START
+        # One digit per number in the prompt: tokenized alike by any digit grouping.
+        assert not re.search(r"\d\d", prompt)
         assert solve(prompt) == (answer, solution)
-        assert len(solution.split("\n")) == steps + 1
+        assert len(solution.split("\n")) == rounds * len(program) + 1
         assert grade(solution, answer).acc == 1.0
 
 
 @pytest.mark.parametrize(
     "prompt",
-    ["Run 5 steps from 97: a=+5", "Run 5 steps from 97: b=+5 a=-8", "Run 5 steps from 123: a=+5 b=-8",
-     "Evaluate left to right: a=7 b=-1", "Run 0 steps from 7: a=+5 b=-8"],
+    ["Run 5 rounds from 9: a=+5", "Run 5 rounds from 9: b=+5 a=-8", "Run 5 rounds from 12: a=+5 b=-8",
+     "Evaluate left to right: a=7 b=-1", "Run 0 rounds from 7: a=+5 b=-8"],
 )  # fmt: skip
 def test_parse_refuses_other_text(prompt):
     with pytest.raises(ValueError, match="not a long_trace problem"):
@@ -76,19 +79,23 @@ def test_slips_anywhere_break_the_answer_and_are_found():
         if where is None:
             assert slipped_answer == answer
             continue
-        positions.append(where / parse(prompt)[0])
+        rounds, _, program = parse(prompt)
+        positions.append(where / (rounds * len(program)))
         wrong.append(grade(slipped, answer).acc == 0.0)
     assert len(positions) > 50
-    assert statistics.mean(wrong) > 0.9  # a later slip cancels the first only rarely
+    assert statistics.mean(wrong) > 0.85  # a later slip cancels the first now and then (~11%)
     # Slips land early and late in the trace, not at one decision point.
     assert min(positions) < 0.2 and max(positions) > 0.8
 
 
 def test_response_lengths_are_long_and_spread():
-    """Mean >= 150 tokens, longest >= 500, at ~9 tokens a line (the tiny tokenizer's count,
-    measured: 9 per step line, 4 for the answer line and eos)."""
+    """Mean >= 150 tokens, longest >= 500, at 9 tokens a line (the tiny tokenizer's count,
+    measured: 9 per step line, 5 for the answer line and eos)."""
     rows = make_rows(2000, 0)
-    tokens = [9 * parse(row["prompt"])[0] + 4 for row in rows]
+    tokens = [
+        9 * rounds * len(program) + 5
+        for rounds, _, program in map(parse, (r["prompt"] for r in rows))
+    ]
     assert statistics.mean(tokens) >= 150
     assert max(tokens) >= 500
     assert statistics.pstdev(tokens) >= 80

@@ -1,0 +1,67 @@
+"""The long-trace task's tiny models (issue 29), built small: the warmed-up policy directory and
+the outcome reward model on the policy's trunk, loadable as a critic's reward model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from vapo_megatron.data.long_trace import make_splits, read_rows
+from vapo_megatron.data.tiny_long import (
+    last_token_values,
+    sample,
+    token_values,
+    write_long_policy,
+    write_reward_model,
+)
+from vapo_megatron.weights.critic import VALUE_HEAD, reward_model_hf_tensors
+
+pytestmark = pytest.mark.unit
+SHIPPED = Path(__file__).resolve().parents[3] / "vapo_megatron" / "data" / "tiny_long"
+
+
+def test_policy_and_reward_model_build_small(tmp_path):
+    train, evals = make_splits(tmp_path, 48, 4, seed=0)
+    policy_dir, orm_dir = tmp_path / "model", tmp_path / "reward_model"
+    write_long_policy(policy_dir, train_path=train, seed=0, warmup_steps=3, slip_rate=0.05,
+                      batch_size=4)  # fmt: skip
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    assert (
+        tokenizer.decode(tokenizer("1 a:97+5=2\nAnswer: 2")["input_ids"]) == "1 a:97+5=2\nAnswer: 2"
+    )
+
+    result = write_reward_model(orm_dir, policy_dir=policy_dir, rows=read_rows(train)[:4], seed=0,
+                                steps=2, batch_size=2)  # fmt: skip
+    assert result["samples"] == 4 and 0.0 <= result["samples_pass_rate"] <= 1.0
+    orm = AutoModelForSequenceClassification.from_pretrained(orm_dir)
+    assert orm.config.num_labels == 1 and orm.score.weight.shape == (1, 128)
+    assert VALUE_HEAD in reward_model_hf_tensors(orm_dir)  # what critic.init_path reads
+    # The ORM's value at a sequence's last token is HF's sequence-classification logit.
+    ids = [tokenizer("Run 4 steps from 3: a=+1 b=-2")["input_ids"] + [5, 6, 7]]
+    ours = last_token_values(orm, ids, tokenizer.pad_token_id)
+    with torch.no_grad():
+        theirs = orm(input_ids=torch.tensor(ids)).logits[:, 0]
+        assert torch.allclose(ours, theirs, atol=1e-6)
+        assert torch.allclose(token_values(orm, ids[0])[-1], theirs[0], atol=1e-6)
+
+    # Samples come back in the rows' order, graded by the verifier.
+    rows = read_rows(evals)
+    samples = sample(
+        policy, tokenizer, rows, temperature=1.0, seed=0, max_new_tokens=8, batch_size=3
+    )
+    assert [s["prompt_tokens"] for s in samples] == [
+        len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows
+    ]
+    assert all(s["score"] in (-1.0, 1.0) for s in samples)
+
+
+def test_shipped_tokenizer_has_one_token_per_value():
+    """Every value 0..99 is one token of the shipped tokenizer, so the lines keep one shape."""
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED / "model")
+    assert all(
+        len(tokenizer(str(v), add_special_tokens=False)["input_ids"]) == 1 for v in range(100)
+    )
