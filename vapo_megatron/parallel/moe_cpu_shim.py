@@ -17,6 +17,15 @@ places where megatron's MoE path assumes a GPU (paths under ``megatron/core/tran
   ("incompatible function arguments"). The dispatcher's copy of that name also turns CPU
   tensors into numpy arrays when asked (``as_numpy``), as the GPU path hands them on.
 
+- With expert TP > 1 the dispatcher all-gathers (and, backward, reduce-scatters) tokens over
+  the expert-TP group in uneven splits (``dispatch_postprocess``:
+  ``gather_from_sequence_parallel_region(..., output_split_sizes=...)``), which
+  ``tensor_parallel/mappings.py`` ``_gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``
+  do with ``all_gather`` / ``reduce_scatter`` over a list of differently sized tensors: NCCL
+  takes that, gloo does not ("invalid tensor size"). Their uneven branches are replaced by
+  the same result from even collectives (gather padded to the largest split, then cut; sum
+  everything, then keep this rank's split); the even branches are megatron's own.
+
 gloo implements ``all_to_all_single`` with explicit split sizes, so with these the alltoall
 dispatcher is the same code path on CPU as on GPU (``tests/distributed/models``' EP tests).
 """
@@ -45,6 +54,7 @@ def apply_moe_cpu_shim() -> bool:
         moe_utils.te_general_gemm = None
     token_dispatcher.torch = _TorchWithHostStreams()
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+    _even_collectives_for_uneven_splits()
     _applied = True
     return True
 
@@ -113,3 +123,34 @@ def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False)
     if torch.is_tensor(tensor) and as_numpy:
         return tensor.numpy()
     return tensor
+
+
+def _even_collectives_for_uneven_splits() -> None:
+    """Uneven first-dimension gathers and reduce-scatters from even gloo collectives."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = (
+        mappings._gather_along_first_dim,
+        mappings._reduce_scatter_along_first_dim,
+    )
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return torch.split(total, [int(n) for n in input_split_sizes])[group.rank()].clone()
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
