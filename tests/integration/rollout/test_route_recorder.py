@@ -49,6 +49,8 @@ def hf_routes(model, tokens):
     return logits.topk(TOP_K, dim=-1).indices
 
 
+@pytest.mark.slow  # ~60 s on 2 busy cores; tests/integration/trainer/test_routing_replay.py
+# checks the same contract in the default run
 def test_recorded_routes_follow_the_native_layout_and_transformers(tmp_path):
     model = make_qwen3_moe(tmp_path)
     engine = RolloutEngine(
