@@ -145,9 +145,10 @@ def _local_buffers(
         _host_tensor(response_ids, torch.int32),
         _host_tensor(logprobs, torch.float32),
     ]
-    if routes:
+    if routes:  # as bytes: gloo has no int16 ("Invalid scalar type"); read back in _gather
         flat = [o.routes.reshape(-1) for o in outputs]
-        buffers.append(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int16, device=HOST))
+        joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int16, device=HOST)
+        buffers.append(joined.view(torch.uint8))
     return buffers
 
 
@@ -175,7 +176,7 @@ def _gather(
     stats.generate_seconds += float(counts[3])
     gathered = Trajectories.from_rows(
         meta_all.view(-1, len(META_FIELDS)), prompt_all, response_all, logprob_all,
-        None if routes_all is None else routes_all.view(-1, *route_shape),
+        None if routes_all is None else routes_all.view(torch.int16).view(-1, *route_shape),
     )  # fmt: skip
     # Stable: the samples of a group keep their order.
     return gathered.select(torch.sort(gathered.group, stable=True).indices)
