@@ -195,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         if config.model.create_tiny:
             prepare_assets(config)
         elif not (Path(config.model.path) / "config.json").is_file():
-            raise ValueError(f"model.path={config.model.path} holds no model; build it first")
+            raise ValueError(
+                f"model.path={config.model.path} holds no model; build it first (the long-trace "
+                "recipes: python tools/make_tiny_long.py vapo_megatron/data/tiny_long)"
+            )
         plans = {
             name: _algorithm_overrides(scaled_algorithm(VARIANTS.get(name, name), config))
             + variant_overrides(name, config)
