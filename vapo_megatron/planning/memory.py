@@ -46,7 +46,7 @@ The model behind ``tools/plan.py``. Every figure is labelled in its output as on
   and the batch's KV once per generated token (``rollout_seconds``).
 
 Each model is planned from its own config: the critic's (``critic.model``, a preset or an HF
-directory, ``planning/presets.py::critic_model_config``) may be another size or family than
+directory, ``weights/critic.py::critic_model_config``) may be another size or family than
 the policy's; the weight sync, vLLM and the policy's logits read the policy's.
 
 Training state and offload: with ``rollout.offload_training_state`` (``offload="rollout"``) the
