@@ -67,9 +67,11 @@ def write_long_policy(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
+    model.config.save_pretrained(out_dir)  # its model_type (qwen2) picks the tokenizer class
     # Prompts as the trainer and vLLM will encode them: transformers loads this directory as a
-    # Qwen2Tokenizer, whose pre-tokenizer splits every digit (the trained one groups them);
-    # responses are the model's own tokens, which nobody re-encodes.
+    # Qwen2Tokenizer, whose pre-tokenizer splits every digit (the trained one groups them; the
+    # task's prompts have one-digit numbers, so both give the same ids); responses are the
+    # model's own tokens, which nobody re-encodes.
     from transformers import AutoTokenizer
 
     loaded = AutoTokenizer.from_pretrained(out_dir)
