@@ -55,7 +55,7 @@ def write_missing_tiny_assets(model: ModelSettings, data: DataSettings) -> None:
         write_tiny_model(
             model.path, seed=model.tiny_seed, warmup_steps=model.tiny_warmup_steps,
             train_path=train_path, template=data.template, slip_rate=model.tiny_slip_rate,
-            guess_rate=model.tiny_guess_rate,
+            guess_rate=model.tiny_guess_rate, family=model.tiny_family,
         )  # fmt: skip
         logger.info(
             "tiny model written to %s (%d warm-up steps, %.0f s)",
