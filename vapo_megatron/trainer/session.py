@@ -151,6 +151,7 @@ def build_engine(
         hf, settings.layout, head="lm" if role == "policy" else "value", optim=settings.optim,
         groups=groups, params_dtype=getattr(torch, config.model.dtype),
         gpu=config.gpu if gpu is None else gpu, recompute=settings.recompute, initialize=False,
+        moe=settings.moe,
     )  # fmt: skip
 
 
