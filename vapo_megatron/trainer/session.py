@@ -181,7 +181,7 @@ class Session:
         self.rollout_synced = False
         """Whether the engine holds the policy's current weights."""
         self.data_path: str | None = None
-        """The route of the last step's per-token outputs ("shards"/"flat"), logged when it changes."""
+        """The route of the last step's per-token outputs ("shards"/"routed"), logged when it changes."""
 
     def _read_data(self) -> None:
         """The tokenizer and stop tokens, the graders, the prompt sets and the train sampler."""
