@@ -12,7 +12,8 @@ Qwen3 adds per-head q/k norms (``qk_layernorm``: the project's RMSNorm in the lo
 norm in TE's); Qwen3-MoE replaces every MLP by megatron's ``MoELayer``: ``SequentialMLP``
 experts in the local spec (the CPU path), ``TEGroupedMLP`` (grouped GEMM) in TE's when
 ``gpu.moe_grouped_gemm`` resolves on (``uses_grouped_experts`` tells which). The MoE layer's
-pre-MLP norm stays a module of its own under TE (megatron's MoE spec does not fuse it).
+pre-MLP norm stays a module of its own under TE (megatron's MoE spec does not fuse it), so the
+local spec's checkpoint key map leaves it under its own name (``moe_keys_map``).
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ def local_spec(hf: HFModelConfig | None = None) -> ModuleSpec:
     """megatron-core's local layer spec with the project's core attention (context parallelism
     and packed sequences without TE) and RMSNorm (HF numerics; sequence parallelism), for the
     model ``hf`` (None: dense, no qk norms): its q/k norms are the same RMSNorm (over
-    head_dim), its MoE layers megatron's with SequentialMLP experts."""
+    head_dim), its MoE layers megatron's with SequentialMLP experts and checkpoint keys as
+    TE's MoE layers have them (:func:`moe_keys_map`)."""
     from vapo_megatron.models.layer_spec import local_layer_spec
 
     spec = local_layer_spec(
@@ -176,11 +178,31 @@ def local_spec(hf: HFModelConfig | None = None) -> ModuleSpec:
     )
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    if spec.submodules.mlp.module is MoELayer:
+        spec.submodules.sharded_state_dict_keys_map = moe_keys_map(
+            spec.submodules.sharded_state_dict_keys_map
+        )
     if hf is not None and hf.qk_layernorm:
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = RMSNorm
         attention.k_layernorm = RMSNorm
     return spec
+
+
+def moe_keys_map(keys_map: dict[str, str]) -> dict[str, str]:
+    """The local spec's checkpoint key map for an MoE layer: ``keys_map`` without its
+    ``pre_mlp_layernorm.`` entry.
+
+    megatron-core 0.16.1's ``get_gpt_layer_local_spec`` maps ``input_layernorm.`` to
+    ``self_attention.linear_qkv.layer_norm_`` and ``pre_mlp_layernorm.`` to
+    ``mlp.linear_fc1.layer_norm_`` whatever the MLP, so that its checkpoints carry Transformer
+    Engine's names (TE fuses each norm into the linear after it). Its TE spec
+    (``get_gpt_layer_with_transformer_engine_spec``) fuses the pre-MLP norm of a dense MLP only:
+    an MoE layer gets ``pre_mlp_layernorm=backend.layer_norm()`` (TENorm, its own module; the
+    MoE spec says ``fuse_pre_mlp_layernorm: False``) and saves ``pre_mlp_layernorm.weight``,
+    and an MoE layer has no ``linear_fc1`` at all. Kept, the entry would write the local
+    model's norm under a key no TE model loads."""
+    return {k: v for k, v in keys_map.items() if k != "pre_mlp_layernorm."}
 
 
 def layer_spec_kind(spec: ModuleSpec) -> LayerSpecKind:

@@ -82,9 +82,9 @@ does not fuse it: ``pre_mlp_layernorm=TENorm``); only ``input_layernorm`` fuses 
 Distributed checkpoints do not see the difference: the local spec maps its norms' keys to the
 TE names (``sharded_state_dict_keys_map`` in megatron's ``get_gpt_layer_local_spec``), so
 checkpoint keys agree between the specs except for ``_extra_state`` (``checkpoint/model.py``).
-Not for an MoE layer's pre-MLP norm: the local spec's map renames it to
-``mlp.linear_fc1.layer_norm_weight`` while TE's MoE layer saves ``pre_mlp_layernorm.weight``
-(megatron-core 0.16.1 ``get_gpt_layer_local_spec`` applies the map whatever the MLP). The
+An MoE layer's pre-MLP norm keeps ``pre_mlp_layernorm.weight`` under both: megatron-core 0.16.1's
+local spec would map it to ``mlp.linear_fc1.layer_norm_weight`` whatever the MLP, and
+``provider.local_spec`` drops that entry for MoE layers (``provider.moe_keys_map``). The
 experts' keys agree: SequentialMLP and TEGroupedMLP both save ``mlp.experts.experts.*`` with a
 global-expert axis (their ``sharded_state_dict``).
 

@@ -1,9 +1,10 @@
 """Transformer Engine's layer spec: the record's names, the fallback without TE, the GPU limits.
 
-The fixture below lists the parameter and state-dict names megatron-core 0.16.1 gives a Qwen2
-``GPTModel`` built with ``get_gpt_layer_with_transformer_engine_spec()``, written from the
-sources (TE cannot be built on this CPU machine), and the whole state-dict key set (those plus
-``_extra_state``); the record under ``layer_spec="te"`` must give exactly the parameter names,
+The fixture below lists the parameter and state-dict names megatron-core 0.16.1 gives a Qwen2,
+Qwen3 and Qwen3-MoE ``GPTModel`` built with ``get_gpt_layer_with_transformer_engine_spec()``
+(for Qwen3-MoE with TE's grouped-GEMM experts at EP 1 and 2, and with SequentialMLP experts of
+TE linears), written from the sources (TE cannot be built on this CPU machine), and the whole
+state-dict key set (those plus ``_extra_state``); the record under ``layer_spec="te"`` must give exactly the parameter names,
 and loading, streaming and exporting through them must round-trip bit-identically. The whole
 key set is compared with a model megatron builds around stand-ins of TE's modules in
 ``tests/distributed/test_te_names_model.py``; checkpoint tolerance of ``_extra_state`` is in
@@ -15,11 +16,14 @@ from __future__ import annotations
 import importlib.util
 import logging
 import types
+from dataclasses import dataclass
 
 import pytest
 import torch
+from megatron.core.transformer import TransformerConfig
 
 from tests.unit.weights.test_record import megatron_config, qwen2_config, random_hf_state
+from tests.unit.weights.test_record_moe import qwen3_config
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models import provider
 from vapo_megatron.models.config import HFModelConfig
@@ -56,18 +60,83 @@ TE_LAYER_PARAMETERS = (
     "self_attention.linear_proj.weight",
     "self_attention.linear_qkv.layer_norm_weight",
     "self_attention.linear_qkv.weight",
-    "self_attention.linear_qkv.bias",
-    "mlp.linear_fc1.layer_norm_weight",
-    "mlp.linear_fc1.weight",
-    "mlp.linear_fc2.weight",
 )
 TE_LAYER_EXTRA_STATE = (
     "self_attention.core_attention._extra_state",
     "self_attention.linear_proj._extra_state",
     "self_attention.linear_qkv._extra_state",
-    "mlp.linear_fc1._extra_state",
-    "mlp.linear_fc2._extra_state",
 )
+TE_QKV_BIAS = ("self_attention.linear_qkv.bias",)  # Qwen2 (add_qkv_bias)
+TE_DENSE_MLP_PARAMETERS = (
+    "mlp.linear_fc1.layer_norm_weight",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc2.weight",
+)
+TE_DENSE_MLP_EXTRA_STATE = ("mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state")
+# Qwen3's q/k norms:
+# - gpt_layer_specs.py: q_layernorm = k_layernorm = backend.layer_norm(for_qk=True), which
+#   TESpecProvider answers with TENorm (TE >= 1.9); transformer/attention.py builds each with
+#   hidden_size = head_dim (kv_channels). TENorm for RMSNorm is te.pytorch.RMSNorm: "weight"
+#   and an "_extra_state", as the final norm below.
+TE_QK_NORM_PARAMETERS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+TE_QK_NORM_EXTRA_STATE = (
+    "self_attention.q_layernorm._extra_state",
+    "self_attention.k_layernorm._extra_state",
+)
+# Qwen3-MoE (num_experts set):
+# - gpt_layer_specs.py: pre_mlp_layernorm = backend.layer_norm() (TENorm: "weight",
+#   "_extra_state") for an MoE layer; the MLP is models/gpt/moe_module_specs.py
+#   get_moe_module_spec_for_backend: MoELayer with metainfo fuse_pre_mlp_layernorm=False.
+# - transformer/moe/moe_layer.py: MoELayer builds "router" (router.py TopKRouter, a
+#   MegatronModule: "weight" [E, h]; no bias, no buffers without moe_router_enable_expert_bias
+#   or a global aux loss; no _extra_state), then "experts" with num_local_experts = E / EP;
+#   shared experts only with moe_shared_expert_intermediate_size (Qwen3-MoE has none).
+# - TESpecProvider.grouped_mlp_modules: with moe_grouped_gemm, TEGroupedMLP
+#   (transformer/moe/experts.py) with linear_fc1 = TEColumnParallelGroupedLinear and
+#   linear_fc2 = TERowParallelGroupedLinear (extensions/transformer_engine.py), both TE's
+#   GroupedLinear with num_gemms = local experts; TE 2.11 module/grouped_linear.py registers
+#   "weight{i}" per GEMM ("bias{i}" only with bias; else a plain tensor attribute; megatron-core
+#   0.16.1 passes no single_grouped_parameter, a TE 2.14 option) and, as every TE module, one
+#   "_extra_state". Without moe_grouped_gemm: SequentialMLP, one megatron MLP per local expert
+#   ("local_experts.{j}") with linear_fc1 = TEColumnParallelLinear and linear_fc2 =
+#   TERowParallelLinear, each "weight" and "_extra_state".
+TE_MOE_PARAMETERS = ("pre_mlp_layernorm.weight", "mlp.router.weight")
+TE_MOE_EXTRA_STATE = ("pre_mlp_layernorm._extra_state",)
+
+
+def te_expert_names(grouped: bool, local_experts: int) -> tuple[list[str], list[str]]:
+    """(parameters, _extra_state keys) of one MoE layer's routed experts under the TE spec."""
+    if grouped:
+        params = [
+            f"mlp.experts.linear_fc{k}.weight{j}" for k in (1, 2) for j in range(local_experts)
+        ]
+        return params, [f"mlp.experts.linear_fc{k}._extra_state" for k in (1, 2)]
+    experts = [
+        f"mlp.experts.local_experts.{j}.linear_fc{k}" for j in range(local_experts) for k in (1, 2)
+    ]
+    return [f"{e}.weight" for e in experts], [f"{e}._extra_state" for e in experts]
+
+
+def te_layer_names(record: ModelRecord, ep_size: int) -> tuple[list[str], list[str]]:
+    """(parameters, _extra_state keys) of one decoder layer under the TE spec."""
+    cfg = record.config
+    params, extra = list(TE_LAYER_PARAMETERS), list(TE_LAYER_EXTRA_STATE)
+    if cfg.qkv_bias:
+        params += TE_QKV_BIAS
+    if cfg.qk_layernorm:
+        params += TE_QK_NORM_PARAMETERS
+        extra += TE_QK_NORM_EXTRA_STATE
+    if not cfg.is_moe:
+        return params + list(TE_DENSE_MLP_PARAMETERS), extra + list(TE_DENSE_MLP_EXTRA_STATE)
+    expert_params, expert_extra = te_expert_names(
+        record.grouped_experts, cfg.num_experts // ep_size
+    )
+    return (
+        params + list(TE_MOE_PARAMETERS) + expert_params,
+        extra + list(TE_MOE_EXTRA_STATE) + expert_extra,
+    )
+
+
 # Outside the layers:
 # - models/common/embeddings/language_model_embedding.py: word_embeddings is
 #   tensor_parallel.VocabParallelEmbedding ("weight"), whatever the layer spec.
@@ -100,10 +169,11 @@ def output_layer_names(head: str, *, tied_here: bool) -> tuple[list[str], list[s
 def te_names(record: ModelRecord, chunk: ModelChunk) -> tuple[list[str], list[str]]:
     """The fixture's (parameter names, whole state-dict key set) of one chunk, local layer
     numbering."""
+    layer_params, layer_extra = te_layer_names(record, chunk.ep_size)
     layers = range(len(chunk.layers))
     params = list(TE_FIRST) if chunk.has_embedding else []
-    params += [f"decoder.layers.{i}.{suffix}" for i in layers for suffix in TE_LAYER_PARAMETERS]
-    extra = [f"decoder.layers.{i}.{suffix}" for i in layers for suffix in TE_LAYER_EXTRA_STATE]
+    params += [f"decoder.layers.{i}.{suffix}" for i in layers for suffix in layer_params]
+    extra = [f"decoder.layers.{i}.{suffix}" for i in layers for suffix in layer_extra]
     if chunk.has_output:
         tied_here = record.config.tie_word_embeddings and chunk.has_embedding
         out_params, out_extra = output_layer_names(record.head, tied_here=tied_here)
@@ -112,24 +182,61 @@ def te_names(record: ModelRecord, chunk: ModelChunk) -> tuple[list[str], list[st
     return params, params + extra
 
 
-# name -> (HF config, head): Qwen2 (QKV bias), tied and untied, policy and critic.
+@dataclass(frozen=True)
+class Case:
+    """One model of the fixture: its HF config, head, expert scheme and expert parallelism."""
+
+    hf_config: dict
+    head: str
+    grouped: bool = False
+    """TE's grouped-GEMM experts (TEGroupedMLP); False: SequentialMLP of TE linears."""
+    ep: int = 1
+
+
+# Qwen2 (QKV bias), tied and untied, policy and critic; Qwen3 (q/k norms, head_dim 16 over
+# hidden 32); Qwen3-MoE (8 experts) with grouped experts at EP 1 and 2, and SequentialMLP.
 CASES = {
-    "policy-untied": (qwen2_config(heads=4, kv_heads=2, layers=2), "lm"),
-    "policy-tied": (qwen2_config(heads=4, kv_heads=2, layers=2, tied=True), "lm"),
-    "critic": (qwen2_config(heads=4, kv_heads=2, layers=2, tied=True), "value"),
+    "policy-untied": Case(qwen2_config(heads=4, kv_heads=2, layers=2), "lm"),
+    "policy-tied": Case(qwen2_config(heads=4, kv_heads=2, layers=2, tied=True), "lm"),
+    "critic": Case(qwen2_config(heads=4, kv_heads=2, layers=2, tied=True), "value"),
+    "qwen3": Case(qwen3_config(moe=False), "lm"),
+    "qwen3-moe-grouped": Case(qwen3_config(moe=True), "lm", grouped=True),
+    "qwen3-moe-grouped-ep2": Case(qwen3_config(moe=True, tied=True), "lm", grouped=True, ep=2),
+    "qwen3-moe-sequential": Case(qwen3_config(moe=True), "lm"),
+    "qwen3-moe-critic-ep2": Case(qwen3_config(moe=True), "value", grouped=True, ep=2),
 }
 TP = 2
 
 
 def te_record(case: str) -> ModelRecord:
-    hf_config, head = CASES[case]
-    return ModelRecord(HFModelConfig.from_hf(hf_config), head, layer_spec="te")
+    c = CASES[case]
+    hf = HFModelConfig.from_hf(c.hf_config)
+    return ModelRecord(hf, c.head, layer_spec="te", grouped_experts=c.grouped)
 
 
-def fixture_chunks(record: ModelRecord, pp: int) -> list[tuple[ModelChunk, list[str]]]:
-    """(chunk, the fixture's parameter names of it) for each pipeline stage."""
-    config = megatron_config(record, TP, pp)
-    chunks = [ModelChunk.for_stage(config, stage) for stage in range(pp)]
+def case_config(case: str, tp: int, pp: int) -> TransformerConfig:
+    """The case's TransformerConfig at ``tp`` x ``pp`` (and its EP; megatron asks for sequence
+    parallelism with EP and TP together)."""
+    c = CASES[case]
+    if not te_record(case).config.is_moe:
+        return megatron_config(te_record(case), tp, pp)
+    return megatron_config(
+        te_record(case),
+        tp,
+        pp,
+        expert_model_parallel_size=c.ep,
+        sequence_parallel=tp > 1 and c.ep > 1,
+    )
+
+
+def fixture_chunks(case: str, pp: int, tp: int = TP) -> list[tuple[ModelChunk, list[str]]]:
+    """(chunk, the fixture's parameter names of it) for each pipeline stage and EP rank."""
+    record = te_record(case)
+    config = case_config(case, tp, pp)
+    ep = config.expert_model_parallel_size if record.config.is_moe else 1
+    chunks = [
+        ModelChunk.for_stage(config, stage, ep_rank=r) for stage in range(pp) for r in range(ep)
+    ]
     return [(chunk, te_names(record, chunk)[0]) for chunk in chunks]
 
 
@@ -137,7 +244,7 @@ def fixture_chunks(record: ModelRecord, pp: int) -> list[tuple[ModelChunk, list[
 @pytest.mark.parametrize("case", list(CASES))
 def test_te_record_names_are_te_parameter_names(case, pp):
     record = te_record(case)
-    for chunk, names in fixture_chunks(record, pp):
+    for chunk, names in fixture_chunks(case, pp):
         assert sorted(record.tensor_maps(chunk)) == sorted(names)
         # Every other key of a TE state dict is an _extra_state: the record misses no weight.
         # The fixture's whole key set is held against a model megatron builds with the TE
@@ -148,30 +255,52 @@ def test_te_record_names_are_te_parameter_names(case, pp):
         assert others and all(k.endswith("._extra_state") for k in others), others
 
 
+def test_moe_fixture_names_differ_from_the_dense_ones_where_megatron_says():
+    # What the MoE cases add: the pre-MLP norm stays a module (no fused fc1 norm), the router,
+    # and the grouped experts of each EP rank: local slots 0..3, global experts 4..7 on rank 1.
+    chunks = fixture_chunks("qwen3-moe-grouped-ep2", 1)
+    assert [chunk.ep_rank for chunk, _ in chunks] == [0, 1]
+    chunk, names = chunks[1]
+    layer0 = {n.removeprefix("decoder.layers.0.") for n in names if ".layers.0." in n}
+    assert {"pre_mlp_layernorm.weight", "mlp.router.weight"} <= layer0
+    assert not any("linear_fc1.layer_norm_weight" in n for n in names)
+    experts = sorted(n for n in layer0 if "experts" in n)
+    assert experts == sorted(
+        f"mlp.experts.linear_fc{k}.weight{j}" for k in (1, 2) for j in range(4)
+    )
+    maps = te_record("qwen3-moe-grouped-ep2").tensor_maps(chunk)
+    assert maps["decoder.layers.0.mlp.experts.linear_fc2.weight0"].hf_names == (
+        "model.layers.0.mlp.experts.4.down_proj.weight",
+    )
+    qwen3 = fixture_chunks("qwen3", 1)[0][1]
+    assert "decoder.layers.1.self_attention.q_layernorm.weight" in qwen3
+    assert not any(n.endswith("linear_qkv.bias") for n in qwen3)
+
+
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("case", list(CASES))
 def test_te_round_trip_is_bit_identical_and_matches_local(case, pp):
+    """Load every (stage, EP rank, TP rank) shard under TE names, compare each with the local
+    spec's tensor of the same HF tensor(s), and export back: bit-identical, every routed expert
+    from exactly one EP rank, every other tensor the same on each EP rank."""
     record = te_record(case)
-    local = ModelRecord(record.config, record.head)  # the local spec: same tensors, two renamed
-    renamed = {
-        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    }
+    local = ModelRecord(record.config, record.head)  # the local spec: same tensors, renamed
     hf_state = random_hf_state(record)
-    back = {}
-    for chunk, names in fixture_chunks(record, pp):
+    back: dict[str, torch.Tensor] = {}
+    for chunk, names in fixture_chunks(case, pp):
         shards = [record.hf_to_megatron_shards(hf_state, r, TP, chunk) for r in range(TP)]
         local_shards = [local.hf_to_megatron_shards(hf_state, r, TP, chunk) for r in range(TP)]
+        local_by_hf = {m.hf_names: name for name, m in local.tensor_maps(chunk).items()}
+        maps = record.tensor_maps(chunk)
         for rank in range(TP):
             assert sorted(shards[rank]) == sorted(names)
             for name, tensor in shards[rank].items():
-                prefix, _, suffix = name.rpartition(".layers.")
-                layer, _, rest = suffix.partition(".")
-                local_name = f"{prefix}.layers.{layer}.{renamed[rest]}" if rest in renamed else name
+                local_name = local_by_hf[maps[name].hf_names]
                 assert torch.equal(tensor, local_shards[rank][local_name]), name
         for name in names:
             for hf_name, tensor in record.megatron_to_hf(name, [s[name] for s in shards], chunk):
-                assert hf_name not in back
+                if hf_name in back:  # a tensor every EP rank holds
+                    assert maps[name].expert is None and torch.equal(back[hf_name], tensor)
                 back[hf_name] = tensor
     assert back.keys() == hf_state.keys()
     for name, tensor in hf_state.items():
@@ -184,7 +313,7 @@ def test_te_stream_plan_is_the_local_one(case):
     record = te_record(case)
     local = ModelRecord(record.config, record.head)
     for pp in (1, 2):
-        config = megatron_config(record, TP, pp)
+        config = case_config(case, TP, pp)
         te_plan = [(n, tuple(t.shape)) for n, t in stream_plan(record, config, pp_size=pp)]
         local_plan = [(n, tuple(t.shape)) for n, t in stream_plan(local, config, pp_size=pp)]
         assert te_plan == local_plan
@@ -205,13 +334,13 @@ def module_with_parameters(named: dict[str, torch.Tensor]) -> torch.nn.Module:
     return root
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c].ep == 1])
 def test_te_named_chunk_loads_and_streams_out_exactly(case):
     # load_hf_weights and gather_hf_weights match named_parameters() against the record, as on
     # a GPU with TE: a TP=1 chunk with the fixture's names stands in for the TE model.
     record = te_record(case)
-    config = megatron_config(record, 1, 1)
-    ((chunk, names),) = fixture_chunks(record, 1)
+    config = case_config(case, 1, 1)
+    ((chunk, names),) = fixture_chunks(case, 1, tp=1)
     hf_state = random_hf_state(record)
     model = module_with_parameters({n: torch.zeros(0) for n in names})
     shards = record.hf_to_megatron_shards(hf_state, 0, 1, chunk)
@@ -230,6 +359,36 @@ def test_te_named_chunk_loads_and_streams_out_exactly(case):
         gather.load_hf_weights([model], local, hf_state, config, tp_rank=0, pp_rank=0)
     with pytest.raises(ValueError, match="layer_spec_kind"):
         list(gather.gather_hf_weights([model], local, config, tp_group=None, pp_rank=0))
+
+
+def checkpoint_key(spec, layer_parameter: str) -> str:
+    """The key a layer parameter gets in a distributed checkpoint of a model of ``spec``: its
+    ``sharded_state_dict_keys_map`` applied as ``TransformerLayer.sharded_state_dict`` does
+    (megatron-core 0.16.1 ``apply_prefix_mapping``, first matching prefix)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
+
+    entry = {"x": ShardedObject(layer_parameter, None, (1,), (0,))}
+    apply_prefix_mapping(entry, dict(spec.submodules.sharded_state_dict_keys_map))
+    return entry["x"].key
+
+
+@pytest.mark.parametrize("case", ["policy-untied", "qwen3", "qwen3-moe-grouped"])
+def test_local_spec_checkpoint_keys_are_te_parameter_names(case):
+    """The local spec's key map turns each layer parameter outside the routed experts into the
+    TE spec's name of the same HF tensor(s). For an MoE layer the pre-MLP norm keeps its name:
+    megatron's TE spec gives it a TENorm of its own (``fuse_pre_mlp_layernorm: False``), and
+    megatron's local spec maps it to ``mlp.linear_fc1.layer_norm_`` whatever the MLP
+    (``provider.moe_keys_map`` removes that entry)."""
+    record = te_record(case)
+    local = ModelRecord(record.config, record.head)
+    spec = provider.local_spec(record.config)
+    chunk = ModelChunk.whole(record.config.num_layers)
+    te_by_hf = {m.hf_names: name for name, m in record.tensor_maps(chunk).items()}
+    for name, m in local.tensor_maps(chunk).items():
+        if m.expert is None and name.startswith("decoder.layers.0."):
+            suffix = name.removeprefix("decoder.layers.0.")
+            assert "decoder.layers.0." + checkpoint_key(spec, suffix) == te_by_hf[m.hf_names]
 
 
 def test_te_unknown_names_still_raise():
@@ -301,6 +460,55 @@ class TERowParallelLinear(TEModule):
         te_linear_parameters(self, output_size, input_size // tp_group.size(), bias=bias)
 
 
+class TEColumnParallelLinear(TEModule):
+    """Stands in for megatron's wrapper of ``te.pytorch.Linear`` split along its output (the
+    SequentialMLP experts' fc1 under TE without grouped GEMM). An expert's linear splits over
+    expert TP (megatron passes ``tp_group=pg_collection.expt_tp`` for ``is_expert``)."""
+
+    def __init__(self, input_size, output_size, *, bias, tp_group, **_):
+        super().__init__()
+        te_linear_parameters(self, output_size // tp_group.size(), input_size, bias=bias)
+
+
+class TEGroupedLinear(TEModule):
+    """Stands in for megatron's ``TEGroupedLinear`` (extensions/transformer_engine.py) around
+    TE 2.11's ``te.pytorch.GroupedLinear`` (module/grouped_linear.py): ``num_gemms`` weights
+    "weight{i}" [out, in] (and "bias{i}" only with bias), one "_extra_state". Megatron splits
+    the output (column) or input (row) over ``pg_collection.expt_tp`` itself and tells TE
+    tp_size 1 when expert TP > 1 or EP > 1; at expert TP 1 there is nothing to split."""
+
+    parallel_mode = ""
+
+    def __init__(self, num_gemms, input_size, output_size, *, bias, pg_collection, **_):
+        super().__init__()
+        etp = pg_collection.expt_tp.size()
+        if self.parallel_mode == "column":
+            output_size //= etp
+        else:
+            input_size //= etp
+        self.num_gemms = num_gemms
+        for i in range(num_gemms):
+            self.register_parameter(
+                f"weight{i}", torch.nn.Parameter(torch.empty(output_size, input_size))
+            )
+            if bias:
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.empty(output_size)))
+            else:
+                setattr(self, f"bias{i}", torch.empty(0))
+
+
+class TEColumnParallelGroupedLinear(TEGroupedLinear):
+    """megatron's ``TEColumnParallelGroupedLinear``: the grouped experts' fc1."""
+
+    parallel_mode = "column"
+
+
+class TERowParallelGroupedLinear(TEGroupedLinear):
+    """megatron's ``TERowParallelGroupedLinear``: the grouped experts' fc2."""
+
+    parallel_mode = "row"
+
+
 class TEDotProductAttention(TEModule):
     """``te.pytorch.DotProductAttention`` with vanilla softmax: no parameters, extra state."""
 
@@ -324,6 +532,24 @@ class FakeTESpecProvider:
 
     def __init__(self, *args, **kwargs):
         pass
+
+    def column_parallel_linear(self):
+        return TEColumnParallelLinear
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm):
+        """TESpecProvider.grouped_mlp_modules for TE >= 1.7 (TEColumnParallelGroupedLinear
+        exists): megatron's own expert modules around TE's linears."""
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+
+        assert not moe_use_legacy_grouped_gemm, "the legacy GroupedMLP is not TE's"
+        if moe_use_grouped_gemm:
+            return TEGroupedMLP, MLPSubmodules(
+                linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear
+            )
+        return SequentialMLP, MLPSubmodules(
+            linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear
+        )
 
     def column_parallel_layer_norm_linear(self):
         return TELayerNormColumnParallelLinear
@@ -388,6 +614,14 @@ def test_layer_spec_kind_tells_te_from_local(monkeypatch):
     assert provider.layer_spec_kind(te_spec) == "te"
     assert provider.layer_spec_kind(provider.local_spec()) == "local"
     assert provider.layer_spec_kind(gpt_layer_specs.get_gpt_layer_local_spec()) == "local"
+    for grouped in (False, True):  # the MoE layer keeps its pre-MLP norm, unfused
+        moe = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=8, moe_grouped_gemm=grouped, qk_layernorm=True
+        )
+        assert provider.layer_spec_kind(moe) == "te"
+        assert provider.uses_grouped_experts(moe) == grouped
+        assert moe.submodules.pre_mlp_layernorm is TENorm
+        assert moe.submodules.mlp.metainfo == {"fuse_pre_mlp_layernorm": False}
     half = provider.local_spec()
     half.submodules.self_attention.submodules.linear_qkv = (
         FakeTESpecProvider().column_parallel_layer_norm_linear()
