@@ -84,6 +84,8 @@ class CriticSettings:
     """Activation recompute of the critic (off by default)."""
     moe: MoESettings = field(default_factory=MoESettings)
     """MoE critics: router losses (off), router dtype (fp32), token dispatcher (alltoall); config/moe.py says why."""
+    routing_replay: Literal["scoring", "none"] = "scoring"
+    """MoE critics: 'scoring' records the routers' top-k in the scoring pass and replays them in every update's forward (and recompute), so the values that made the advantages and the values the loss moves come from one routing (step/critic_routes.py); 'none': each pass routes on its own. A dense critic has no router and ignores it, as it does critic.moe."""
 
 
 @dataclass(frozen=True, kw_only=True)

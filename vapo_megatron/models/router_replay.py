@@ -99,6 +99,8 @@ class ModelRouterReplay:
         global_list[:] = [r for r in global_list if id(r) not in ours]
         self.top_k = self.routers[0].topk
         self.num_layers = self.routers[0].config.num_layers
+        self.layers = [router.layer_number - 1 for router in self.routers]
+        """This rank's routers' global layers, in ``routers`` order (every chunk)."""
 
     @property
     def instances(self) -> list[_ModelReplay]:
@@ -142,10 +144,34 @@ class ModelRouterReplay:
             routes = routes.chunk(tp)[tp_rank]
         self.set_routes(routes, replay=replay, chunk=chunk)
 
-    def record(self) -> None:
-        """Keep the top-k each router computes in the next forward (``recorded``)."""
-        for instance in self.instances:
-            instance.set_router_replay_action(RouterReplayAction.RECORD)
+    def record(self, chunk: int | None = None) -> None:
+        """Keep the top-k each router of model chunk ``chunk`` (None: every chunk) computes in
+        the next forward (``recorded``, ``take_recorded``): the router routes on its own."""
+        routers = self.routers if chunk is None else self.chunk_routers[chunk]
+        for router in routers:
+            router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+
+    def take_recorded(self, chunk: int, out: torch.Tensor) -> None:
+        """Write the top-k chunk ``chunk``'s routers kept in the last forward into ``out``
+        [tokens, len(layers), top_k] (columns in ``layers`` order; on the routers' device),
+        and forget them. megatron's RECORD keeps each router's last call only: take them after
+        every micro-batch's forward."""
+        first = sum(len(r) for r in self.chunk_routers[:chunk])
+        for j, router in enumerate(self.chunk_routers[chunk]):
+            instance = router.router_replay
+            top = instance.get_recorded_indices()
+            if top is None:
+                raise RuntimeError(
+                    f"router of layer {router.layer_number} recorded nothing: call "
+                    "record(chunk) before the chunk's forward"
+                )
+            if top.shape != out[:, first + j].shape:
+                raise ValueError(
+                    f"router of layer {router.layer_number} saw {tuple(top.shape)} (tokens, "
+                    f"top_k), expected {tuple(out[:, first + j].shape)}"
+                )
+            out[:, first + j] = top.to(out.dtype)
+            instance.recorded_topk_idx = None
 
     def recorded(self, num_layers: int) -> torch.Tensor:
         """The last recorded forward's routes, int16 [tokens, num_layers, top_k] on the host;

@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from vapo_megatron.step.advantages import advantages_and_metrics
+from vapo_megatron.step.critic_routes import step_routes as critic_step_routes
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
 from vapo_megatron.step.rollout import rollout_metrics, step_rollouts
 from vapo_megatron.step.routed_route import RoutedRoute
 from vapo_megatron.step.scoring import (
     OutputRoute,
+    Scored,
     StepInputs,
     StepModels,
     TokenFields,
@@ -83,7 +85,10 @@ def run_step(
     warn_on_logprob_gap(metrics, step, cfg.rollout.logprob_gap_warn)
     timer.lap("advantages")
     # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
-    metrics.update(update_models(session, models, trajectories, fields, route, step, timer))
+    critic_routes = scored_critic_routes(scored, models, len(trajectories))
+    metrics.update(
+        update_models(session, models, trajectories, fields, route, step, timer, critic_routes)
+    )
     # 8. Metrics (the checkpoint is the loop's).
     prompts, responses = trajectories.prompts, trajectories.responses
     metrics.update(timer.metrics(int(prompts.offsets[-1]) + int(responses.offsets[-1])))
@@ -139,9 +144,11 @@ def update_models(
     route: OutputRoute,
     step: int,
     timer: Timer,
+    critic_routes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Every PPO epoch's mini-batch updates of the step's models; the engine's weights are
-    stale once the policy has moved."""
+    stale once the policy has moved. ``critic_routes``: an MoE critic's routes of its
+    scoring pass, replayed in its updates (``step/critic_routes.py``)."""
     cfg = session.config
     data = UpdateData(
         prompts=trajectories.prompts, responses=trajectories.responses, fields=fields,
@@ -153,6 +160,7 @@ def update_models(
         ),
         route=route, rollout_logprobs=trajectories.rollout_logprobs,
         correction=cfg.algorithm.rollout_correction, routes=step_routes(trajectories),
+        critic_routes=critic_routes,
     )  # fmt: skip
     num_minibatches = _num_minibatches(session)
     metrics = run_updates(
@@ -167,6 +175,17 @@ def update_models(
     if any(name.startswith("policy/") for name in metrics):  # the policy took a step
         session.rollout_synced = False
     return metrics
+
+
+def scored_critic_routes(
+    scored: Scored, models: StepModels, num_samples: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An MoE critic's routes of the scoring pass on this rank's samples (routing replay of
+    the critic), as ``UpdateData.critic_routes``; None when it keeps none."""
+    if scored.critic is None or scored.critic.routes is None:
+        return None
+    replay = models.critic.router_replay
+    return critic_step_routes(scored.critic.routes, num_samples, (replay.num_layers, replay.top_k))
 
 
 def step_routes(trajectories: Trajectories) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -155,6 +155,9 @@ class Side:
     shards during scoring, or this pipeline stage holds no outputs)."""
     held_mask: torch.Tensor | None = None
     """[held.num_tokens] bool: the positions this rank's scoring wrote (its CP chunks)."""
+    routes: dict[int, torch.Tensor] | None = None
+    """An MoE critic with routing replay: its held samples' routes from this pass, by sample
+    ([prompt + response, layers, top_k] int16; ``step/critic_routes.py``); None: none kept."""
 
 
 @dataclass

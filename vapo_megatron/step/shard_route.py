@@ -48,6 +48,7 @@ from vapo_megatron.step.batching import (
     empty_micro_batch,
     plan_micro_batches,
 )
+from vapo_megatron.step.critic_routes import keep_sample_routes, whole_rows
 from vapo_megatron.step.scoring import Side, StepInputs
 from vapo_megatron.step.token_sums import HeldTokens, TokenSums
 from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
@@ -140,10 +141,20 @@ def score_share(
     held = torch.zeros(share.num_tokens, dtype=torch.bool, device=HOST)
     ids = share.ids.tolist()
     samples = _samples(share, inputs, layout.cp)
+    # An MoE critic with routing replay keeps its routes for its updates (step/critic_routes.py).
+    records = critic is not None and critic.router_replay is not None
+    routes: dict[int, torch.Tensor] | None = {} if records else None
+    token_counts = (
+        (inputs.prompts.lengths() + inputs.responses.lengths()).tolist() if records else []
+    )
     for chunk, chunk_ids in _chunks(samples, ids, lead, token_budget, layout.cp):
         spans = _spans(share, chunk, chunk_ids, layout.cp, inputs.responses.offsets.diff())
         for p in passes:
-            results = p.engine.run(chunk, p.fn, forward_only=True)
+            record = records and p.engine is critic
+            results = p.engine.run(chunk, p.fn, forward_only=True, record_routes=record)
+            if record:
+                rows = whole_rows(critic, chunk)
+                keep_sample_routes(routes, chunk, chunk_ids, rows, token_counts)
             if not results:  # not the last pipeline stage: no outputs, no loss here
                 continue
             values = [r[p.key] for r in results]
@@ -163,7 +174,7 @@ def score_share(
     sums = _counting_sums(
         held, counts_here, lead, host_group, total=int(inputs.responses.offsets[-1])
     )
-    return Side(share, arrays, sums, whole_sequences=whole, held_mask=held)
+    return Side(share, arrays, sums, whole_sequences=whole, held_mask=held, routes=routes)
 
 
 def _reassemble(arrays: dict[str, torch.Tensor], held: torch.Tensor, engine: ModelEngine) -> None:

@@ -70,6 +70,14 @@ class UpdateData:
     routes: tuple[torch.Tensor, torch.Tensor] | None = None
     """Routing replay: the engine's routes [T, layers, top_k] and their offsets [S + 1]
     (``Trajectories.routes``, ``route_offsets()``), replayed in the policy's update; None: off."""
+    critic_routes: tuple[torch.Tensor, torch.Tensor] | None = None
+    """An MoE critic's routes of its scoring pass on this rank's samples, as ``routes``
+    (``step/critic_routes.py``), replayed in the critic's updates; None: off."""
+
+    @property
+    def critic_field_names(self) -> list[str]:
+        """The per-token fields the critic's loss reads, and the routes its forward replays."""
+        return CRITIC_FIELDS + [ROUTES] if self.critic_routes is not None else CRITIC_FIELDS
 
     @property
     def policy_field_names(self) -> list[str]:
@@ -165,8 +173,10 @@ def update_minibatch(
     trainable = [i for i in chosen if data.trainable_policy[i]] if policy is not None else []
     policy_ids = data.route.mine(policy, trainable) if trainable else None
     packed = None
-    if data.route.packs_once and critic_ids is not None and policy_ids == critic_ids:
-        # One layout, the same samples: pack once for both models.
+    one_pack = data.route.packs_once and data.critic_routes is None
+    if one_pack and critic_ids is not None and policy_ids == critic_ids:
+        # One layout, the same samples: pack once for both models (unless the critic replays
+        # routes of its own: one ROUTES field per micro-batch).
         samples = build_samples(
             data.prompts, data.responses, critic_ids, data.responses.offsets, data.both_fields,
             flat_index=False, routes=data.routes,
@@ -179,7 +189,8 @@ def update_minibatch(
     if critic_ids is not None:
         critic_out = _update(
             data, critic, critic_ids, data.critic_fields, lambda norm: value_loss_fn(algo, norm),
-            CRITIC_FIELDS, packed=packed, token_budget=token_budget,
+            data.critic_field_names, packed=packed, token_budget=token_budget,
+            routes=data.critic_routes,
         )  # fmt: skip
         if timer is not None:
             timer.lap("update_critic")
@@ -189,6 +200,7 @@ def update_minibatch(
             data, policy, policy_ids, data.policy_fields,
             lambda norm: policy_loss_fn(algo, norm, vocab, temperature=temperature),
             data.policy_field_names, packed=packed, token_budget=token_budget,
+            routes=data.routes,
         )  # fmt: skip
         if timer is not None:
             timer.lap("update_policy")
@@ -205,14 +217,16 @@ def _update(
     *,
     packed: list[MicroBatch] | None,
     token_budget: int,
+    routes: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> dict[str, float]:
     """One model's gradient step on samples ``ids``: on the micro-batches ``packed`` for both
-    models when given, else packed here with ``fields_fn``'s fields."""
+    models when given, else packed here with ``fields_fn``'s fields (and ``routes``, this
+    model's routes to replay, where ``names`` has ROUTES)."""
     if packed is not None:
         return train_on_micro_batches(engine, packed, len(ids), loss_fn_factory, field_names=names)
     samples = build_samples(
         data.prompts, data.responses, ids, data.responses.offsets, fields_fn, flat_index=False,
-        routes=data.routes if ROUTES in names else None,
+        routes=routes if ROUTES in names else None,
     )  # fmt: skip
     return train_on_share(
         engine, samples, loss_fn_factory, field_names=names, token_budget=token_budget

@@ -144,6 +144,8 @@ class ModelEngine:
         self.router_replay: ModelRouterReplay | None = None
         """MoE with routing replay (``track_routes``): this model's own RouterReplay set."""
         self.replay_routes = False
+        self.recorded_routes: list[torch.Tensor] = []
+        """The last ``run(record_routes=True)``'s routes per micro-batch (``run``)."""
 
     def track_routes(self, *, replay: bool) -> None:
         """MoE: drive this model's routers with each micro-batch's routes (the ``ROUTES``
@@ -236,15 +238,27 @@ class ModelEngine:
         )
 
     def run(
-        self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, forward_only: bool = False
+        self,
+        micro_batches: Sequence[MicroBatch],
+        loss_fn: LossFn,
+        *,
+        forward_only: bool = False,
+        record_routes: bool = False,
     ) -> list[dict[str, torch.Tensor]]:
         """Forward (and backward) over the micro-batches through Megatron's schedule.
 
         Returns each micro-batch's metrics on the last pipeline stage ([] elsewhere). With
         forward_only, nothing is accumulated; loss_fn's metrics carry the outputs.
+        ``record_routes`` (MoE with ``track_routes``): the routers route on their own and
+        ``recorded_routes`` keeps each micro-batch's top-k of this rank's routers
+        ([router tokens, len(router_replay.layers), top_k] int32 on the device; the router's
+        tokens are this CP rank's row, this TP rank's slice under sequence parallelism).
         """
         lengths, sizes = self._check_micro_batches(micro_batches)
         scale = len(micro_batches) * self.dp_size
+        if record_routes and self.router_replay is None:
+            raise ValueError("record_routes needs an MoE model with track_routes() called")
+        recorded: dict[int, torch.Tensor] = {}
 
         def loss_func(micro_batch: MicroBatch, output: torch.Tensor):
             loss, metrics = loss_fn(output, micro_batch)
@@ -252,12 +266,16 @@ class ModelEngine:
 
         def forward_step(data_iterator, model):
             # The one place a micro-batch leaves the host, right before its forward.
-            micro_batch = next(data_iterator).to(self.device)
-            if self.router_replay is not None:  # this chunk's routers, this micro-batch
+            index, micro_batch = next(data_iterator)
+            micro_batch = micro_batch.to(self.device)
+            chunk = self.chunks.index(model)
+            if record_routes:
+                self.router_replay.record(chunk)
+            elif self.router_replay is not None:  # this chunk's routers, this micro-batch
                 sp = (self.layout.tp, self.tp_rank) if self.layout.sequence_parallel else None
                 self.router_replay.set_micro_batch_routes(
                     micro_batch.fields, micro_batch.tokens.numel(), replay=self.replay_routes,
-                    chunk=self.chunks.index(model), sequence_parallel=sp,
+                    chunk=chunk, sequence_parallel=sp,
                 )  # fmt: skip
             output = model(
                 micro_batch.tokens,
@@ -265,6 +283,8 @@ class ModelEngine:
                 None,
                 packed_seq_params=micro_batch.packed_seq_params,
             )
+            if record_routes:
+                self._keep_routes(recorded, index, chunk, micro_batch.tokens.numel())
             return output, partial(loss_func, micro_batch)
 
         if not forward_only:
@@ -282,7 +302,7 @@ class ModelEngine:
             start = time.perf_counter()
             outputs = schedule(
                 forward_step_func=forward_step,
-                data_iterator=[iter(micro_batches) for _ in self.chunks],
+                data_iterator=[iter(enumerate(micro_batches)) for _ in self.chunks],
                 model=self.chunks,
                 num_microbatches=len(micro_batches),
                 seq_length=max(lengths),
@@ -294,7 +314,22 @@ class ModelEngine:
             self.compute_seconds += time.perf_counter() - start
             if self.router_replay is not None:
                 self.router_replay.clear()
+            if record_routes:
+                self.recorded_routes = [recorded[i] for i in range(len(micro_batches))]
             return outputs
+
+    def _keep_routes(
+        self, recorded: dict[int, torch.Tensor], index: int, chunk: int, row_tokens: int
+    ) -> None:
+        """Micro-batch ``index``'s top-k of chunk ``chunk``'s routers into ``recorded``."""
+        replay = self.router_replay
+        if index not in recorded:
+            tokens = row_tokens // self.layout.tp if self.layout.sequence_parallel else row_tokens
+            recorded[index] = torch.full(
+                (tokens, len(replay.layers), replay.top_k), -1, dtype=torch.int32,
+                device=self.device,
+            )  # fmt: skip
+        replay.take_recorded(chunk, recorded[index])
 
     def _check_micro_batches(
         self, micro_batches: Sequence[MicroBatch]

@@ -222,6 +222,8 @@ class Session:
             self.critic_hf_config = critic_hf_config(config)
             self.critic_hf = HFModelConfig.from_hf(self.critic_hf_config)
             self.critic = build_engine(config, self.critic_hf, "critic", self.critic_groups)
+            if self.critic_hf.is_moe and config.critic.routing_replay == "scoring":
+                self.critic.track_routes(replay=True)  # its scoring pass's routes, replayed
             self._init_critic(policy_tensors)
 
     def _load_policy(self) -> dict[str, torch.Tensor] | None:
