@@ -241,7 +241,7 @@ def build_samples(
 ) -> list[Sample]:
     """Samples ``indices`` with their flat_index field (unless not ``flat_index``) and
     ``fields(i, flat_slice)``; with ``routes`` = (the step's routes [T, layers, top_k],
-    their offsets [S + 1]: ``Trajectories.routes`` and ``route_offsets()``) each sample's
+    their offsets [S + 1]: ``step/engine_routes.py``, ``step/critic_routes.py``) each sample's
     routes as its ``ROUTES`` field."""
     route_bounds = routes[1].tolist() if routes is not None else None
     out = []

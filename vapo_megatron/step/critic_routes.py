@@ -24,6 +24,7 @@ Host memory: the critic's share of the step's tokens x layers x top_k x 2 bytes 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,7 +32,9 @@ from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.context_parallel import split_packed_for_cp
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.trainer.model_engine import ModelEngine
+
+if TYPE_CHECKING:
+    from vapo_megatron.trainer.model_engine import ModelEngine
 
 
 def whole_rows(engine: ModelEngine, mbs: Sequence[MicroBatch]) -> list[torch.Tensor]:

@@ -26,6 +26,7 @@ from vapo_megatron.algorithms.group_advantages import soft_overlong_penalty
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.rewards.registry import score_responses
+from vapo_megatron.step.engine_routes import RouteStore
 from vapo_megatron.step.rollout_store import load_rollouts, save_rollouts
 from vapo_megatron.step.trajectories import META_FIELDS, Trajectories, concat, group_samples
 
@@ -76,12 +77,15 @@ def generate_and_grade(
     replica: int,
     num_replicas: int,
     host_group: dist.ProcessGroup,
+    route_store: RouteStore | None = None,
 ) -> Trajectories:
     """Generate ``n`` responses for this replica's share of ``prompts`` (TokenizedPrompt list,
     the same on every rank), grade them, and gather everyone's: every rank returns all
     ``len(prompts) * n`` trajectories in (group, sample) order. The trajectories and the
     counts travel over ``host_group`` (gloo) as host tensors: generation output is host data,
-    and while vLLM still holds the GPU a gather on NCCL would stage it on the device."""
+    and while vLLM still holds the GPU a gather on NCCL would stage it on the device. With
+    ``route_store`` (routing replay) the engine's routes stay in it on the replica's first
+    rank; the trajectories say where (``step/engine_routes.py``)."""
     share = replica_share(len(prompts), num_replicas, replica)
     start = time.perf_counter()
     outputs = engine.generate(
@@ -100,13 +104,34 @@ def generate_and_grade(
     if dist.get_rank() % (dist.get_world_size() // num_replicas):
         outputs, results = [], []
         counts.zero_()
-    # (layers, top_k) when the engine records routes (routing replay); test doubles have none.
-    route_shape = getattr(engine, "route_shape", None)
-    local = _local_buffers(outputs, results, prompts, share, routes=route_shape is not None)
+    local = _local_buffers(outputs, results, prompts, share)
+    if route_store is not None:  # the routes stay here; only where they sit is gathered
+        rank = dist.get_rank(host_group)
+        local.append(_keep_routes(outputs, prompts, share, route_store, rank))
     # The engine's per-token Python lists are copied into ``local``: free them before the
     # gather, which holds every replica's tokens (the host's peak of the step).
     del outputs, results
-    return _gather(local, counts, stats, num_replicas, host_group, route_shape)
+    return _gather(local, counts, stats, num_replicas, host_group, route_store)
+
+
+def _keep_routes(
+    outputs, prompts: Sequence, share: range, store: RouteStore, rank: int
+) -> torch.Tensor:
+    """Keep this replica's samples' routes in ``store``; [2 R] int64 (this rank, first row)
+    per sample, for the gather (``step/engine_routes.py``)."""
+    at = []
+    for o in outputs:
+        prompt = prompts[share[o.prompt_index]].token_ids
+        expected = len(prompt) + len(o.response_token_ids) - 1
+        if o.routes is None or o.routes.shape[0] != expected:
+            raise RuntimeError(
+                f"the engine returned routes of shape "
+                f"{None if o.routes is None else tuple(o.routes.shape)} for a sample of "
+                f"{expected + 1} tokens: routing replay needs [prompt + response - 1, layers, "
+                "top_k] per sample (rollout.record_routes)"
+            )
+        at.extend((rank, store.add(o.routes)))
+    return torch.tensor(at, dtype=torch.long, device=HOST)
 
 
 def _grade(outputs, tokenizer, prompts: Sequence, share: range, routing, timeout_s: float):
@@ -121,12 +146,9 @@ def _grade(outputs, tokenizer, prompts: Sequence, share: range, routing, timeout
     return score_responses(items, routing, timeout_s=timeout_s)
 
 
-def _local_buffers(
-    outputs, results, prompts: Sequence, share: range, *, routes: bool
-) -> list[torch.Tensor]:
+def _local_buffers(outputs, results, prompts: Sequence, share: range) -> list[torch.Tensor]:
     """This rank's part of the gather: [R * len(META_FIELDS)] float64 metadata, int32 prompt
-    and response token ids, float32 rollout log-probs (and with ``routes`` the samples'
-    int16 routes, flattened)."""
+    and response token ids, float32 rollout log-probs."""
     meta: list[tuple] = []
     prompt_ids, response_ids, logprobs = array("i"), array("i"), array("f")
     for o, result in zip(outputs, results, strict=True):
@@ -145,10 +167,6 @@ def _local_buffers(
         _host_tensor(response_ids, torch.int32),
         _host_tensor(logprobs, torch.float32),
     ]
-    if routes:  # as bytes: gloo has no int16 ("Invalid scalar type"); read back in _gather
-        flat = [o.routes.reshape(-1) for o in outputs]
-        joined = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int16, device=HOST)
-        buffers.append(joined.view(torch.uint8))
     return buffers
 
 
@@ -158,15 +176,15 @@ def _gather(
     stats: RolloutStats,
     num_replicas: int,
     host_group: dist.ProcessGroup,
-    route_shape: tuple[int, int] | None = None,
+    route_store: RouteStore | None = None,
 ) -> Trajectories:
     """Every replica's trajectories from each rank's ``local`` buffers, in group order; the
-    grading counts and seconds ``counts`` summed into ``stats``. ``route_shape``: (layers,
-    top_k) of the routes buffer that ends ``local``, if any."""
+    grading counts and seconds ``counts`` summed into ``stats``. With ``route_store`` the
+    last buffer says where each sample's routes sit (``_keep_routes``)."""
     gathered_parts = []
     while local:  # each local buffer is freed once gathered: less at the peak
         gathered_parts.append(collectives.all_gather_varlen(local.pop(0), host_group))
-    routes_all = gathered_parts.pop() if route_shape is not None else None
+    route_at = gathered_parts.pop().view(-1, 2) if route_store is not None else None
     meta_all, prompt_all, response_all, logprob_all = gathered_parts
     collectives.all_reduce(counts, host_group)
     counts[2:] /= num_replicas  # mean seconds over replicas
@@ -176,7 +194,7 @@ def _gather(
     stats.generate_seconds += float(counts[3])
     gathered = Trajectories.from_rows(
         meta_all.view(-1, len(META_FIELDS)), prompt_all, response_all, logprob_all,
-        None if routes_all is None else routes_all.view(torch.int16).view(-1, *route_shape),
+        route_at, route_store,
     )  # fmt: skip
     # Stable: the samples of a group keep their order.
     return gathered.select(torch.sort(gathered.group, stable=True).indices)
@@ -244,6 +262,9 @@ def collect_rollouts(
     stats = RolloutStats()
     kept: list[Trajectories] = []  # whole groups, in order
     num_kept = 0
+    # Routing replay: the engine's routes stay where they were generated (engine_routes.py).
+    route_shape = getattr(session.rollout, "route_shape", None)  # test doubles have none
+    route_store = RouteStore(route_shape) if route_shape is not None else None
     rounds = cfg.trainer.max_sampling_rounds if dynamic else 1
     for round_ in range(rounds):
         indices = session.sampler.next_indices(algo.prompts_per_step)
@@ -255,7 +276,7 @@ def collect_rollouts(
             seed=sampling_seed(cfg.trainer.seed, step, round_, session.replica),
             routing=session.routing, grader_timeout_s=cfg.reward.timeout_s, stats=stats,
             replica=session.replica, num_replicas=session.num_replicas,
-            host_group=session.host_group,
+            host_group=session.host_group, route_store=route_store,
         )  # fmt: skip
         stats.rounds += 1
         stats.groups_sampled += len(prompts)

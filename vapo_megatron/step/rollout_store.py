@@ -4,6 +4,8 @@
 ``RUN_DIR/rollouts/step_{k:06d}.pt`` (rank 0, written to a temporary name and renamed);
 ``critic_pretrain.offline_rollouts: DIR`` makes pretraining step k fit the k-th saved file
 (cycling when there are fewer files than steps) instead of sampling from the policy.
+The engine's routes (routing replay) are not saved: they serve the policy's passes, and
+critic pretraining trains the critic alone (an MoE critic records routes of its own).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ def save_rollouts(directory: Path, index: int, trajectories: Trajectories) -> Pa
         t.acc.tolist(), t.reward.tolist(), strict=True,
     )  # fmt: skip
     rows = []
-    route_bounds = t.route_offsets().tolist() if t.routes is not None else None
     for i, (group, prompt_index, truncated, score, acc, reward) in enumerate(scalars):
         lo, hi = int(t.responses.offsets[i]), int(t.responses.offsets[i + 1])
         rows.append(
@@ -38,8 +39,6 @@ def save_rollouts(directory: Path, index: int, trajectories: Trajectories) -> Pa
              "response": t.responses[i], "rollout_logprobs": t.rollout_logprobs[lo:hi],
              "truncated": truncated, "score": score, "acc": acc, "reward": reward}
         )  # fmt: skip
-        if route_bounds is not None:  # int16 [prompt + response - 1, layers, top_k]
-            rows[-1]["routes"] = t.routes[route_bounds[i] : route_bounds[i + 1]]
     torch.save(rows, tmp)
     os.replace(tmp, path)
     return path
@@ -71,7 +70,6 @@ def load_rollouts(directory: str | Path, index: int) -> Trajectories:
         _flat([r["prompt"] for r in rows], torch.int32),
         _flat([r["response"] for r in rows], torch.int32),
         _flat([r["rollout_logprobs"] for r in rows], torch.float32),
-        torch.cat([r["routes"] for r in rows]) if rows and "routes" in rows[0] else None,
     )
     out.reward = torch.tensor([r["reward"] for r in rows], dtype=torch.float64, device=HOST)
     return out

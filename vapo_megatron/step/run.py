@@ -14,6 +14,7 @@ import torch
 
 from vapo_megatron.step.advantages import advantages_and_metrics
 from vapo_megatron.step.critic_routes import step_routes as critic_step_routes
+from vapo_megatron.step.engine_routes import routes_to_owners
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
 from vapo_megatron.step.rollout import rollout_metrics, step_rollouts
 from vapo_megatron.step.routed_route import RoutedRoute
@@ -67,9 +68,10 @@ def run_step(
     # brings each token's outputs to the rank that trains on it (step/scoring.py).
     route = output_route(session, models, trajectories, step)
     metrics["data/shard_path"] = float(route.name == "shards")
+    policy_routes = engine_routes(session, models, trajectories, route)
     inputs = StepInputs(
         trajectories.prompts, trajectories.responses, trajectories.reward,
-        trajectories.rollout_logprobs, routes=step_routes(trajectories),
+        trajectories.rollout_logprobs, routes=policy_routes,
     )  # fmt: skip
     scored = route.score(
         models, inputs, algo=cfg.algorithm, monte_carlo=pretrain,
@@ -87,7 +89,17 @@ def run_step(
     # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
     critic_routes = scored_critic_routes(scored, models, len(trajectories))
     metrics.update(
-        update_models(session, models, trajectories, fields, route, step, timer, critic_routes)
+        update_models(
+            session,
+            models,
+            trajectories,
+            fields,
+            route,
+            step,
+            timer,
+            policy_routes=policy_routes,
+            critic_routes=critic_routes,
+        )  # fmt: skip
     )
     # 8. Metrics (the checkpoint is the loop's).
     prompts, responses = trajectories.prompts, trajectories.responses
@@ -144,10 +156,13 @@ def update_models(
     route: OutputRoute,
     step: int,
     timer: Timer,
+    *,
+    policy_routes: tuple[torch.Tensor, torch.Tensor] | None = None,
     critic_routes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Every PPO epoch's mini-batch updates of the step's models; the engine's weights are
-    stale once the policy has moved. ``critic_routes``: an MoE critic's routes of its
+    stale once the policy has moved. ``policy_routes``: the engine's routes of this rank's
+    policy samples (``engine_routes``); ``critic_routes``: an MoE critic's routes of its
     scoring pass, replayed in its updates (``step/critic_routes.py``)."""
     cfg = session.config
     data = UpdateData(
@@ -159,7 +174,7 @@ def update_models(
             else [True] * len(trajectories)
         ),
         route=route, rollout_logprobs=trajectories.rollout_logprobs,
-        correction=cfg.algorithm.rollout_correction, routes=step_routes(trajectories),
+        correction=cfg.algorithm.rollout_correction, routes=policy_routes,
         critic_routes=critic_routes,
     )  # fmt: skip
     num_minibatches = _num_minibatches(session)
@@ -188,11 +203,18 @@ def scored_critic_routes(
     return critic_step_routes(scored.critic.routes, num_samples, (replay.num_layers, replay.top_k))
 
 
-def step_routes(trajectories: Trajectories) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The engine's routes and their offsets (routing replay), or None."""
-    if trajectories.routes is None:
+def engine_routes(
+    session: Session, models: StepModels, trajectories: Trajectories, route: OutputRoute
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Routing replay of the policy: the engine's routes of the samples this rank's policy
+    owns, sent from the ranks that generated them (``step/engine_routes.py``; collective over
+    the host group); None without routes or without a policy update (critic pretraining)."""
+    if trajectories.route_at is None or models.policy is None:
         return None
-    return trajectories.routes, trajectories.route_offsets()
+    return routes_to_owners(
+        trajectories.route_at, trajectories.route_offsets().diff(), trajectories.route_store,
+        route.shares["policy"].owners, models.policy.dp_rank, session.host_group,
+    )  # fmt: skip
 
 
 def warn_on_logprob_gap(metrics: dict[str, float], step: int, limit: float) -> None:

@@ -118,8 +118,8 @@ class StepInputs:
     rollout_logprobs: torch.Tensor | None
     """[N] the engine's log-probs in flat order (for the gap metric), or None."""
     routes: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Routing replay: the engine's routes [T, layers, top_k] and their offsets [S + 1]
-    (``Trajectories.routes``, ``route_offsets()``), packed with the scoring micro-batches
+    """Routing replay: the engine's routes [T, layers, top_k] of this rank's policy samples
+    and their offsets [S + 1] (``step/engine_routes.py``), packed with the scoring micro-batches
     (``batching.build_samples(routes=)``); None: off."""
 
 

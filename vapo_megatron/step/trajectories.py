@@ -3,8 +3,9 @@
 Every rank holds the same ``Trajectories`` after the rollout's gather (``step/rollout.py``):
 int32 prompt and response token ids and fp32 rollout log-probs in buffers with offsets, and
 one float64 metadata row per sample, which is how they travel (never pickled). MoE policies
-with routing replay add each sample's routed experts (``routes``, int16, by sequence-token
-offsets: ``route_offsets``).
+with routing replay add where each sample's routed experts sit (``route_at``: they stay on
+the rank that generated them until the step sends them to the ranks that train on the sample,
+``step/engine_routes.py``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.batching import Ragged, gather_index, select_offsets
+
+if TYPE_CHECKING:
+    from vapo_megatron.step.engine_routes import RouteStore
 
 # Per-sample metadata travels as one float64 row per sample (integers are exact below 2^53).
 META_FIELDS = ("group", "prompt_index", "prompt_len", "response_len", "truncated", "score", "acc")
@@ -46,11 +51,14 @@ class Trajectories:
     """[S] float64: 1.0 correct, 0.0 wrong."""
     reward: torch.Tensor
     """[S] float64: score plus shaping (overlong penalty), what GAE receives at the last token."""
-    routes: torch.Tensor | None = None
-    """[T, layers, top_k] int16: the engine's routed experts of every token it forwarded (the
-    prompt, then the response but its last token: vLLM's ``routed_experts`` layout,
-    ``rollout/route_recorder.py``), sample after sample by ``route_offsets``; None: dense model
-    or no routing replay."""
+    route_at: torch.Tensor | None = None
+    """[S, 2] int64: where the engine's routed experts of each sample sit (routing replay):
+    the holder's host-group rank and the first of the sample's ``route_offsets`` rows in the
+    holder's ``route_store`` (int16 [rows, layers, top_k]: every token the engine forwarded,
+    the prompt, then the response but its last token: vLLM's ``routed_experts`` layout,
+    ``rollout/route_recorder.py``); None: dense model or no routing replay."""
+    route_store: RouteStore | None = None
+    """This rank's part of the step's routes (``step/engine_routes.py``); with ``route_at``."""
 
     def __len__(self) -> int:
         return self.group.numel()
@@ -68,16 +76,15 @@ class Trajectories:
         ):
             return dataclasses.replace(self)
         index = gather_index(self.responses.offsets, samples)
-        routes = None
-        if self.routes is not None:
-            routes = self.routes[gather_index(self.route_offsets(), samples)]
+        route_at = self.route_at[samples] if self.route_at is not None else None
         return Trajectories(
             prompts=self.prompts.select(samples),
             responses=Ragged(self.responses.values[index], select_offsets(self.responses.offsets, samples)),
             rollout_logprobs=self.rollout_logprobs[index],
             group=self.group[samples], prompt_index=self.prompt_index[samples],
             truncated=self.truncated[samples], score=self.score[samples],
-            acc=self.acc[samples], reward=self.reward[samples], routes=routes,
+            acc=self.acc[samples], reward=self.reward[samples], route_at=route_at,
+            route_store=self.route_store,
         )  # fmt: skip
 
     @staticmethod
@@ -86,29 +93,30 @@ class Trajectories:
         prompt_tokens: torch.Tensor,
         response_tokens: torch.Tensor,
         rollout_logprobs: torch.Tensor,
-        routes: torch.Tensor | None = None,
+        route_at: torch.Tensor | None = None,
+        route_store: RouteStore | None = None,
     ) -> Trajectories:
-        """From the flat buffers and the [S, len(META_FIELDS)] float64 metadata rows (and the
-        routes [T, layers, top_k], T = sum of prompt + response - 1)."""
+        """From the flat buffers and the [S, len(META_FIELDS)] float64 metadata rows (and
+        where the samples' routes sit: ``route_at`` [S, 2] int64, ``route_store``)."""
         cols = dict(zip(META_FIELDS, meta.T, strict=True))
         offsets = {
             name: torch.nn.functional.pad(cols[f"{name}_len"].long().cumsum(0), (1, 0))
             for name in ("prompt", "response")
         }
-        if routes is not None:
-            rows = int(route_offsets(offsets["prompt"].diff(), offsets["response"].diff())[-1])
-            if routes.dim() != 3 or routes.shape[0] != rows:
-                raise ValueError(
-                    f"routes must be [{rows}, layers, top_k] (prompt + response - 1 rows per "
-                    f"sample), got {tuple(routes.shape)}"
-                )
+        if route_at is not None and (
+            route_store is None or tuple(route_at.shape) != (meta.shape[0], 2)
+        ):
+            raise ValueError(
+                f"route_at must be [{meta.shape[0]}, 2] (holder, first row) with a route_store; "
+                f"got {tuple(route_at.shape)} and {route_store}"
+            )
         return Trajectories(
             prompts=Ragged(prompt_tokens, offsets["prompt"]),
             responses=Ragged(response_tokens, offsets["response"]),
             rollout_logprobs=rollout_logprobs, group=cols["group"].long(),
             prompt_index=cols["prompt_index"].long(), truncated=cols["truncated"].bool(),
             score=cols["score"].clone(), acc=cols["acc"].clone(), reward=cols["score"].clone(),
-            routes=routes,
+            route_at=route_at, route_store=route_store,
         )  # fmt: skip
 
     def meta_rows(self) -> torch.Tensor:
@@ -138,13 +146,17 @@ def concat(parts: Sequence[Trajectories]) -> Trajectories:
     if len(parts) == 1:
         return parts[0]
     rows = torch.cat([p.meta_rows() for p in parts])
-    with_routes = [p.routes is not None for p in parts]
+    with_routes = [p.route_at is not None for p in parts]
     if any(with_routes) and not all(with_routes):
         raise ValueError("cannot concatenate trajectories with and without routes")
+    stores = {id(p.route_store) for p in parts}
+    if all(with_routes) and len(stores) != 1:
+        raise ValueError("cannot concatenate trajectories whose routes sit in other stores")
     return Trajectories.from_rows(
         rows,
         torch.cat([p.prompts.values for p in parts]),
         torch.cat([p.responses.values for p in parts]),
         torch.cat([p.rollout_logprobs for p in parts]),
-        torch.cat([p.routes for p in parts]) if all(with_routes) else None,
+        torch.cat([p.route_at for p in parts]) if all(with_routes) else None,
+        parts[0].route_store,
     )

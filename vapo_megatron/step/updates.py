@@ -68,8 +68,9 @@ class UpdateData:
     correction: RolloutCorrectionConfig | None = None
     """Rollout importance correction of the policy loss; None or off: none."""
     routes: tuple[torch.Tensor, torch.Tensor] | None = None
-    """Routing replay: the engine's routes [T, layers, top_k] and their offsets [S + 1]
-    (``Trajectories.routes``, ``route_offsets()``), replayed in the policy's update; None: off."""
+    """Routing replay: the engine's routes [T, layers, top_k] of the samples this rank's
+    policy owns and their offsets [S + 1] (``step/engine_routes.py``: 0 rows for the other
+    samples), replayed in the policy's update; None: off."""
     critic_routes: tuple[torch.Tensor, torch.Tensor] | None = None
     """An MoE critic's routes of its scoring pass on this rank's samples, as ``routes``
     (``step/critic_routes.py``), replayed in the critic's updates; None: off."""

@@ -1,4 +1,5 @@
-"""The engine's routes cross ranks with the trajectories (routing replay), as tensors."""
+"""The engine's routes stay where they were generated and go to the policy ranks that train on
+each sample (routing replay, ``step/engine_routes.py``), as tensors."""
 
 from pathlib import Path
 
@@ -10,7 +11,8 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).parent / "workers" / "route_gather_worker.py"
 
 
-def test_generate_and_grade_gathers_routes_in_group_order():
-    outputs = run_workers(WORKER, 2, timeout=120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_routes_reach_exactly_their_owners(world):
+    outputs = run_workers(WORKER, world, timeout=120)
     for rank, out in enumerate(outputs):
         assert f"ROUTE_GATHER_OK rank {rank}" in out, out

@@ -96,8 +96,9 @@ def worker(out_dir: str) -> None:
         torch.tensor([t for s in samples for t in PROMPTS[s.prompt_index]], dtype=torch.int32),
         torch.tensor([t for s in samples for t in s.response_token_ids], dtype=torch.int32),
         torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float32),
-        torch.cat([s.routes for s in samples]),
     )
+    # One rank owns every sample: the routes as routes_to_owners hands them to it.
+    routes = (torch.cat([s.routes for s in samples]), traj.route_offsets())
 
     hf = HFModelConfig.from_hf(hf_io.read_config(str(path)))
     policy = ModelEngine(
@@ -112,7 +113,7 @@ def worker(out_dir: str) -> None:
     policy.track_routes(replay=True)
     built = build_samples(
         traj.prompts, traj.responses, list(range(len(traj))), traj.responses.offsets,
-        routes=(traj.routes, traj.route_offsets()),
+        routes=routes,
     )  # fmt: skip
     mbs = micro_batches(built, policy.layout, cp_rank=0, token_budget=48, field_names=[])
     assert len(mbs) >= 2

@@ -37,3 +37,6 @@ def test_tiny_moe_recipe_trains_with_routing_replay(tmp_path: Path) -> None:
         assert 0.5 < row["policy/route_agreement"] <= 1.0
         assert row["rollout/logprob_gap"] < 1e-3
         assert 0.0 < row["policy/rollout_is_weight"] <= 2.0
+        # The MoE critic replays its scoring pass's routes in its updates (critic.routing_replay:
+        # scoring): its own top-k, compared there, mostly agrees (the router moves little).
+        assert 0.5 < row["critic/route_agreement"] <= 1.0

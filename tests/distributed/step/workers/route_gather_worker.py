@@ -1,6 +1,17 @@
-"""Worker: ``generate_and_grade`` with routes on 2 gloo ranks (2 replicas): every rank gets
-every sample's int16 routes [prompt + response - 1, layers, top_k] in group order (they
-travel as bytes: gloo has no int16)."""
+"""Worker: the engine's routes (routing replay) stay on the rank that generated them and reach
+the policy ranks that own each sample, on 2 or 4 gloo ranks.
+
+``generate_and_grade`` with a ``RouteStore`` gathers only where each sample's routes sit (the
+holder: its replica's first rank; with 4 ranks, 2 replicas of 2 ranks, the second rank of a
+replica holds nothing); ``routes_to_owners`` then sends each sample's int16 routes [prompt +
+response - 1, layers, top_k] (as bytes: gloo has no int16) to every rank whose policy DP rank
+owns it: each rank must end with exactly its owned samples' routes, equal to what the engine
+returned, and 0 rows for every other sample. Policy layouts: DP = world (each rank its own
+share), DP 1 (every rank all samples), and on 4 ranks TP2 x DP2 (ranks 0-1 DP 0, 2-3 DP 1:
+both TP ranks get their replica's samples) and DP ranks crossing the replicas (rank % 2).
+
+Usage: python route_gather_worker.py
+"""
 
 from __future__ import annotations
 
@@ -17,6 +28,7 @@ from tests.distributed.step.workers.trajectory_gather_worker import (
 )
 from vapo_megatron.parallel import collectives
 from vapo_megatron.step import rollout
+from vapo_megatron.step.engine_routes import RouteStore, routes_to_owners
 from vapo_megatron.step.rollout import RolloutStats, generate_and_grade, replica_share
 
 SHAPE = (3, 2)  # layers, top_k
@@ -40,9 +52,11 @@ class RoutedEngine(FakeEngine):
 
 def main() -> None:
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     host = collectives.make_host_group()
     rollout.score_responses = grade
+    num_replicas = 2
+    replica = rank // (world // num_replicas)
     prompts = [
         SimpleNamespace(
             token_ids=[10 + g, 3, 4][: 1 + g % 3],
@@ -51,21 +65,42 @@ def main() -> None:
         for g in range(NUM_PROMPTS)
     ]
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "a" * len(ids))
+    store = RouteStore(SHAPE)
     got = generate_and_grade(
         RoutedEngine(), tokenizer, prompts, n=N, temperature=1.0, top_p=1.0, max_new_tokens=6,
-        stop_token_ids=[0], seed=rank, routing={}, grader_timeout_s=1.0, stats=RolloutStats(),
-        replica=rank, num_replicas=2, host_group=host,
+        stop_token_ids=[0], seed=replica, routing={}, grader_timeout_s=1.0, stats=RolloutStats(),
+        replica=replica, num_replicas=num_replicas, host_group=host, route_store=store,
     )  # fmt: skip
-    expected = []
-    for replica in range(2):
-        share = replica_share(NUM_PROMPTS, 2, replica)
+    expected, holders = [], []
+    for r in range(num_replicas):
+        share = replica_share(NUM_PROMPTS, num_replicas, r)
         ids = [prompts[g].token_ids for g in share]
-        for o in RoutedEngine().generate(ids, n=N, seed=replica, max_new_tokens=6):
+        for o in RoutedEngine().generate(ids, n=N, seed=r, max_new_tokens=6):
             expected.append(o.routes)
-    assert got.routes.dtype == torch.int16
-    offsets = got.route_offsets()
-    for i, routes in enumerate(expected):
-        assert torch.equal(got.routes[int(offsets[i]) : int(offsets[i + 1])], routes), i
+            holders.append(r * (world // num_replicas))  # the replica's first rank
+    assert got.route_at[:, 0].tolist() == holders
+    holds = rank in holders
+    assert (store.num_rows > 0) == holds, (rank, store.num_rows)  # nothing gathered elsewhere
+    count = len(got)
+    layouts = {"dp=world": (rank, list(range(count)), world), "dp=1": (0, [0] * count, 1)}
+    if world == 4:
+        layouts["tp2xdp2"] = (rank // 2, None, 2)
+        layouts["dp crosses replicas"] = (rank % 2, None, 2)
+    for name, (dp_rank, owners, dp_size) in layouts.items():
+        owners = [(i * 7) % dp_size for i in range(count)] if owners is None else owners
+        owners = [o % dp_size for o in owners]
+        routes, offsets = routes_to_owners(
+            got.route_at, got.route_offsets().diff(), got.route_store, owners, dp_rank, host
+        )
+        assert routes.dtype == torch.int16
+        for i in range(count):
+            mine = routes[int(offsets[i]) : int(offsets[i + 1])]
+            if owners[i] == dp_rank:
+                assert torch.equal(mine, expected[i]), (name, i)
+            else:
+                assert mine.shape[0] == 0, (name, i)
+        owned = sum(1 for o in owners if o == dp_rank)
+        print(f"rank {rank}: {name}: {owned} of {count} samples' routes, as generated")
     print(f"ROUTE_GATHER_OK rank {rank}")
     dist.destroy_process_group()
 
