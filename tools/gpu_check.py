@@ -48,6 +48,11 @@ Parts (each timed; a failure is printed and the next part still runs):
   parameters and optimizer state after the return, one more step after it. On GPU: the host
   arena is pinned, bytes freed as the allocator and the driver (``torch.cuda.mem_get_info``)
   see them; on CPU the bytes copied and dropped (nothing is freed: host to host).
+- ``moe``: a tiny Qwen3-MoE policy and critic (8 experts, top 2, q/k norms) on the device
+  with routing replay: the critic's scoring pass records its routes (whole samples on the
+  host), the policy's scoring forward replays them as engine routes, and a critic update
+  (full recompute) replays its own in the forward and the recompute; every router call is
+  checked against the given experts (``gpu_checks/moe_part.py``).
 
 Each part prints one line (name, ok/failed/skipped, seconds, key numbers; peak CUDA memory on
 GPU). The last line of stdout is one JSON object; ``"ok": true`` only when every part ran and

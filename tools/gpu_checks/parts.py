@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gpu_checks.checkpoint_parts import checkpoint, checkpoint_weights
 from gpu_checks.interop_parts import hf_logits, te_spec, weight_stream
+from gpu_checks.moe_part import moe
 from gpu_checks.offload_part import offload
 from gpu_checks.recipe32b_parts import shard_engines, shard_steps
 from gpu_checks.step_parts import (
@@ -30,6 +31,7 @@ PARTS = {
     "shard_engines": shard_engines,
     "shard_steps": shard_steps,
     "offload": offload,
+    "moe": moe,
 }
 """Name -> part(ctx, numbers), in run order."""
 OPTIONAL_PARTS = {"te_spec", "hf_logits"}
