@@ -36,6 +36,7 @@ PARTS = [
     "shard_engines",
     "shard_steps",
     "offload",
+    "moe",
 ]
 
 
@@ -84,3 +85,5 @@ def test_gpu_check_cpu_twin():
     offload = parts["offload"]
     assert offload["state_mb"] > 0 and offload["left_on_device_mb"] == 0, log
     assert offload["copied_mb"] >= offload["state_mb"] and offload["tensors_equal"] > 0, log
+    moe = parts["moe"]  # every router call of 2 layers x 4 micro-batches checked
+    assert moe["policy_router_calls"] == 8 and moe["critic_router_calls"] == 16, log
