@@ -9,7 +9,9 @@ finished when its summary.json exists) and writes:
   its last step (``finals``), their mean and sample standard deviation, the start (before the
   first step), the steps, and the per-row diagnostics (``diagnostics``) averaged over seeds:
   the critic's explained variance and its values' mean minus the returns' mean (the bias a
-  critic started from a reward model carries) over the first and last fifth of the steps,
+  critic started from a reward model carries) and its value at the first response token
+  minus the return there (``first_token_bias``, from the step's ``critic/value_first_token``
+  and ``critic/return_first_token``) over the first and last fifth of the steps,
   the mean response length over the steps, the clip fractions, and the held-out curve;
 - the markdown table, with the paper's AIME 2024 column beside it (OUT/report.md; the JSON
   also goes to OUT/report.json);
@@ -46,6 +48,8 @@ DIAGNOSTIC_KEYS = {
     "clip_frac_low": "policy/clip_frac_low",
     "clip_frac_high": "policy/clip_frac_high",
     "truncated": "response_length/clip_frac",
+    "value_first_token": "critic/value_first_token",
+    "return_first_token": "critic/return_first_token",
 }
 """Diagnostic name -> the trainer's metric (train phase)."""
 
@@ -72,6 +76,12 @@ def seed_result(run_dir: Path) -> dict:
         s: row["critic/values_mean"] - row["critic/returns_mean"]
         for s, row in train.items()
         if _finite(row.get("critic/values_mean")) and _finite(row.get("critic/returns_mean"))
+    }
+    series["first_token_bias"] = {
+        s: row["critic/value_first_token"] - row["critic/return_first_token"]
+        for s, row in train.items()
+        if _finite(row.get("critic/value_first_token"))
+        and _finite(row.get("critic/return_first_token"))
     }
     return {
         "curve": evals,
@@ -110,7 +120,7 @@ def row_report(preset: str, seeds: dict[int, dict]) -> dict:
 def diagnostics(runs: list[dict]) -> dict:
     """Per diagnostic, its mean over seeds over the first and the last fifth of the steps."""
     out = {}
-    for name in [*DIAGNOSTIC_KEYS, "value_bias"]:
+    for name in [*DIAGNOSTIC_KEYS, "value_bias", "first_token_bias"]:
         first, last = [], []
         for run in runs:
             series = run["series"][name]
@@ -140,10 +150,11 @@ def report(out_dir: Path, labels: dict[str, str]) -> dict:
 
 def table(rows: dict) -> str:
     """Markdown: held-out pass rate after the last step (mean ± sd over seeds), the start,
-    steps, diagnostics (EV and value bias first -> last fifth, response length), the paper."""
+    steps, diagnostics (EV, value bias over all tokens and at the first response token, first
+    -> last fifth; response length; clip-high fraction), the paper."""
     lines = [
-        "| run | preset | held-out (points) | seeds | start | steps | EV | V - R | response tokens | clip high | paper AIME24 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | preset | held-out (points) | seeds | start | steps | EV | V - R | V0 - R0 | response tokens | clip high | paper AIME24 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for name, row in rows.items():
         if row["mean"] is None:
@@ -155,7 +166,8 @@ def table(rows: dict) -> str:
         lines.append(
             f"| {row['row']} | `{name}` | {row['mean']:.1f}{sd} | {len(row['seeds'])} | "
             f"{_num(row['start'], 1)} | {steps} | {_span(diag, 'explained_variance', 2)} | "
-            f"{_span(diag, 'value_bias', 2)} | {_span(diag, 'response_length', 0)} | "
+            f"{_span(diag, 'value_bias', 2)} | {_span(diag, 'first_token_bias', 2)} | "
+            f"{_span(diag, 'response_length', 0)} | "
             f"{_span(diag, 'clip_frac_high', 3)} | {_num(row['paper_aime24'], 0)} |"
         )
     return "\n".join(lines)

@@ -17,7 +17,9 @@ from ablate_report import report, table, write_report  # noqa: E402  (tools/ is 
 pytestmark = pytest.mark.unit
 
 
-def fake_run(run_dir, *, evals, steps, finished=True, ev=0.1, values=0.5, returns=-0.2):
+def fake_run(
+    run_dir, *, evals, steps, finished=True, ev=0.1, values=0.5, returns=-0.2, first_value=-0.9
+):
     """metrics.jsonl as the trainer writes it (phase, step, metrics), summary.json when finished."""
     run_dir.mkdir(parents=True)
     rows = [{"phase": "critic_pretrain", "step": s, "critic/explained_variance": -0.5}
@@ -25,6 +27,8 @@ def fake_run(run_dir, *, evals, steps, finished=True, ev=0.1, values=0.5, return
     for step in range(1, steps + 1):
         rows.append({"phase": "train", "step": step, "critic/explained_variance": ev * step,
                      "critic/values_mean": values, "critic/returns_mean": returns,
+                     "critic/value_first_token": first_value * (steps - step) / steps,
+                     "critic/return_first_token": -0.3,
                      "response_length/mean": 100.0 + step, "policy/clip_frac_high": 0.01,
                      "policy/clip_frac_low": 0.002, "response_length/clip_frac": 0.0})  # fmt: skip
     for step, rate in evals.items():
@@ -56,6 +60,9 @@ def test_report_from_fake_seeds(tmp_path):
     assert diag["explained_variance"] == {"first_fifth": pytest.approx(0.15),
                                           "last_fifth": pytest.approx(0.95)}  # fmt: skip
     assert diag["value_bias"]["first_fifth"] == pytest.approx(0.7)
+    # V0 - R0: -0.9 * (10 - step) / 10 + 0.3; steps 1-2 -> -0.465, steps 9-10 -> 0.255.
+    assert diag["first_token_bias"] == {"first_fifth": pytest.approx(-0.465),
+                                        "last_fifth": pytest.approx(0.255)}  # fmt: skip
     assert diag["response_length"]["last_fifth"] == pytest.approx(109.5)
     assert vapo["curves"]["2"] == {"0": 30.0, "5": 35.0, "10": 46.0}
 
@@ -64,7 +71,10 @@ def test_report_from_fake_seeds(tmp_path):
     assert "explained_variance" not in grpo["diagnostics"]  # NaN (no critic) is left out
 
     text = table(rows)
-    assert "| VAPO | `vapo` | 43.0 ± 3.0 | 3 | 30.0 | 10 + 3 critic | 0.15 -> 0.95 |" in text
+    assert (
+        "| VAPO | `vapo` | 43.0 ± 3.0 | 3 | 30.0 | 10 + 3 critic | 0.15 -> 0.95 | 0.70 -> 0.70 "
+        "| -0.47 -> 0.26 | 102 -> 110 |" in text
+    )
     assert "| GRPO | `grpo` | 38.0 | 1 |" in text
 
 
