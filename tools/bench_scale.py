@@ -111,7 +111,7 @@ class StubEngine:
             pp_size=1, cp_size=1,
         )  # fmt: skip
 
-    def run(self, mbs, loss_fn, *, forward_only=False):
+    def run(self, mbs, loss_fn, *, forward_only=False, record_routes=False):
         import torch
 
         from vapo_megatron.parallel.devices import HOST

@@ -36,6 +36,11 @@ class Sample:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per response token values [len(response)] (old log-probs, advantages, ...)."""
 
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and response tokens (what a micro-batch's token budget counts)."""
+        return _length(self.prompt) + _length(self.response)
+
 
 @dataclass
 class MicroBatch:
@@ -118,6 +123,12 @@ def _check(samples: Sequence[Sample]) -> list[str]:
     return names
 
 
+def _length(ids: list[int] | torch.Tensor) -> int:
+    """Number of token ids (``len`` of a tensor goes through Python-level checks: ~10x
+    slower, and the step asks for thousands of them)."""
+    return ids.shape[0] if isinstance(ids, torch.Tensor) else len(ids)
+
+
 def _check_sample(sample: Sample, n_prompt: int, n_resp: int) -> None:
     """ValueError for a sample without a prompt token or with a field of the wrong length."""
     if n_prompt == 0:
@@ -152,6 +163,17 @@ def _aligned(sample: Sample) -> tuple[torch.Tensor, ...]:
     return tokens, labels, mask, fields
 
 
+def _padded_widths(
+    lengths: Sequence[int], cp_size: int, pad_multiple: int, pad_each: bool
+) -> list[int]:
+    """Each sequence's width in the row (``pack``'s padding rule); they sum to the row's."""
+    unit = _cp_multiple(cp_size) * (pad_multiple if pad_each else 1)
+    padded = [_round_up(n, unit) for n in lengths]
+    total = _round_up(sum(padded), _cp_multiple(cp_size) * pad_multiple)
+    padded[-1] += total - sum(padded)
+    return padded
+
+
 def pack(
     samples: Sequence[Sample],
     *,
@@ -171,39 +193,40 @@ def pack(
     ``step/shard_route.py``).
     """
     names = _check(samples)
-    n_prompt = [len(s.prompt) for s in samples]
-    n_resp = [len(s.response) for s in samples]
+    n_prompt = [_length(s.prompt) for s in samples]
+    n_resp = [_length(s.response) for s in samples]
     for sample, p, r in zip(samples, n_prompt, n_resp, strict=True):
         _check_sample(sample, p, r)
     lengths = [p + r for p, r in zip(n_prompt, n_resp, strict=True)]
-    unit = _cp_multiple(cp_size) * (pad_multiple if pad_each else 1)
-    padded = [_round_up(n, unit) for n in lengths]
-    total = _round_up(sum(padded), _cp_multiple(cp_size) * pad_multiple)
-    padded[-1] += total - sum(padded)
+    padded = _padded_widths(lengths, cp_size, pad_multiple, pad_each)
+    total = sum(padded)
 
-    # Each sample's ids and fields are copied once, straight into the row (no per-sample
-    # intermediate rows): the step packs thousands of micro-batches on the host.
-    tokens = torch.zeros(total, dtype=torch.long, device=HOST)
+    # Each sample's ids and fields are copied once, straight into the row: the step packs
+    # thousands of micro-batches on the host. The int64 rows (24 of a token's 25 bytes without
+    # fields) are not zero-filled first: only the padding after each sequence is zeroed.
+    tokens = torch.empty(total, dtype=torch.long, device=HOST)
+    positions = torch.empty(total, dtype=torch.long, device=HOST)
     mask = torch.zeros(total, dtype=torch.bool, device=HOST)
-    positions = torch.zeros(total, dtype=torch.long, device=HOST)
     fields = {n: torch.zeros(total, dtype=samples[0].fields[n].dtype, device=HOST) for n in names}
-    counting = torch.arange(max(lengths), dtype=torch.long, device=HOST)
     ends = []  # (first position after the sequence's last real token, end of its padding)
     start = 0
     for sample, p, r, width in zip(samples, n_prompt, n_resp, padded, strict=True):
         tokens[start : start + p] = torch.as_tensor(sample.prompt, device=HOST)
         tokens[start + p : start + p + r] = torch.as_tensor(sample.response, device=HOST)
-        positions[start : start + p + r] = counting[: p + r]
+        torch.arange(p + r, out=positions[start : start + p + r])
+        if width > p + r:
+            tokens[start + p + r : start + width] = 0
+            positions[start + p + r : start + width] = 0
         response = slice(start + p - 1, start + p - 1 + r)  # label-aligned
         mask[response] = True
         for name in names:
             fields[name][response] = sample.fields[name]
         ends.append((start + p + r - 1, start + width))
         start += width
-    labels = torch.zeros(total, dtype=torch.long, device=HOST)
+    labels = torch.empty(total, dtype=torch.long, device=HOST)
     labels[:-1] = tokens[1:]
     for last, end in ends:  # a sequence's last position predicts nothing; padding neither
-        labels[last:end] = 0
+        labels[last:end] = 0  # (the row's last position is the last sequence's)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=HOST)
     cu_padded = torch.tensor([0, *itertools.accumulate(padded)], dtype=torch.int32, device=HOST)
 

@@ -54,7 +54,8 @@ def gae_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(advantages [N], returns [N], lambda_policy [S]) from the critic's values [N]."""
     flat_rewards = terminal_rewards(rewards, offsets)
-    mask = torch.ones_like(flat_rewards, dtype=torch.bool)
+    # Every token is a response token: one True seen N times, not an [N] buffer.
+    mask = torch.ones(1, dtype=torch.bool, device=offsets.device).expand(flat_rewards.numel())
     return decoupled_gae_packed(algo, flat_rewards, values, mask, offsets)
 
 
@@ -96,8 +97,14 @@ def group_sample_advantages(
 def whiten(x: torch.Tensor, sums: TokenSums, eps: float = 1e-8) -> torch.Tensor:
     """Zero mean, unit std over the step's response tokens (the global batch), whichever
     rank holds them: ``sums`` counts each token once over the job."""
+    return whiten_(x.clone(), sums, eps)
+
+
+def whiten_(x: torch.Tensor, sums: TokenSums, eps: float = 1e-8) -> torch.Tensor:
+    """:func:`whiten` in place (the same float32 operations, so the same bits): the step's
+    advantages are whitened where GAE left them, with no second step-sized buffer."""
     mean, std = sums.mean_std(x)
-    return (x - mean) / (std + eps)
+    return x.sub_(mean).div_(std + eps)
 
 
 def gae_on_cp_shards(
@@ -234,7 +241,7 @@ def _whiten_and_measure(
     arrays, sums = side.arrays, side.sums
     offsets = inputs.responses.offsets
     if "advantages" in arrays and whitened:
-        arrays["advantages"] = whiten(arrays["advantages"], sums)
+        whiten_(arrays["advantages"], sums)
     if "old_values" in arrays:
         if "advantages" in arrays:  # not critic pretraining
             lam_policy, _ = gae_lambdas(algo, offsets.diff())

@@ -193,7 +193,7 @@ def plan_micro_batches(
     groups: list[list[Sample]] = [[]]
     used = 0
     for sample in samples:
-        length = -(-(len(sample.prompt) + len(sample.response)) // unit) * unit
+        length = -(-sample.num_tokens // unit) * unit
         if groups[-1] and used + length > token_budget:
             groups.append([])
             used = 0
@@ -208,7 +208,7 @@ def plan_micro_batches(
 
 
 def _packed_length(samples: Sequence[Sample], cp_multiple: int) -> int:
-    return sum(-(-(len(s.prompt) + len(s.response)) // cp_multiple) * cp_multiple for s in samples)
+    return sum(-(-s.num_tokens // cp_multiple) * cp_multiple for s in samples)
 
 
 def empty_micro_batch(

@@ -74,7 +74,7 @@ class TokenSums:
         mean = s.item() / count
         squares = torch.zeros((), dtype=torch.float64, device=HOST)
         for block in picked.split(STAT_BLOCK):
-            squares += (block.double() - mean).square().sum()
+            squares += block.double().sub_(mean).square_().sum()  # one float64 temporary
         (squares,) = self.total([squares])
         return mean, math.sqrt(squares.item() / (count - 1)) if count > 1 else 0.0
 

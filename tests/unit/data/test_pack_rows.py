@@ -1,0 +1,87 @@
+"""``pack`` writes each row straight into an uninitialised buffer (only the padding zeroed):
+every position of every row must still equal a plain per-token reference, for lists and int32
+views, fields of several dtypes, empty responses, padding under CP and ``pad_each``."""
+
+import random
+
+import pytest
+import torch
+
+from vapo_megatron.data.packing import Sample, pack
+from vapo_megatron.parallel.context_parallel import split_packed_for_cp
+
+pytestmark = pytest.mark.unit
+
+
+def reference_rows(samples, cp_size, pad_multiple, pad_each):
+    """(tokens, positions, labels, mask, fields, cu_padded) built token by token."""
+    cp_multiple = 2 * cp_size if cp_size > 1 else 1
+    lengths = [len(s.prompt) + len(s.response) for s in samples]
+    unit = cp_multiple * (pad_multiple if pad_each else 1)
+    widths = [-(-n // unit) * unit for n in lengths]
+    row_unit = cp_multiple * pad_multiple
+    widths[-1] += -(-sum(widths) // row_unit) * row_unit - sum(widths)
+    tokens, positions, labels, mask = [], [], [], []
+    fields = {name: [] for name in samples[0].fields}
+    for s, n, width in zip(samples, lengths, widths, strict=True):
+        ids = [int(t) for t in s.prompt] + [int(t) for t in s.response]
+        p, r, gap = len(s.prompt), len(s.response), width - n
+        tokens += ids + [0] * gap
+        positions += list(range(n)) + [0] * gap
+        labels += ids[1:] + [0] * (gap + 1)
+        mask += [False] * (p - 1) + [True] * r + [False] * (gap + 1)
+        for name, values in s.fields.items():
+            fields[name] += [0] * (p - 1) + values.tolist() + [0] * (gap + 1)
+    cu_padded = torch.tensor([0, *torch.tensor(widths).cumsum(0).tolist()], dtype=torch.int32)
+    return tokens, positions, labels, mask, fields, cu_padded
+
+
+def cp_row(values, dtype, cu_padded, cp, rank) -> torch.Tensor:
+    """[1, t] this CP rank's part of a reference row."""
+    x = torch.tensor(values, dtype=dtype)
+    return (split_packed_for_cp(x, cu_padded, cp, rank) if cp > 1 else x)[None]
+
+
+def random_samples(rng: random.Random) -> list[Sample]:
+    dtype = rng.choice([torch.float32, torch.float64, torch.bool, torch.long])
+    with_fields = rng.random() < 0.7
+    out = []
+    for _ in range(rng.randint(1, 5)):
+        prompt = [rng.randint(1, 99) for _ in range(rng.randint(1, 9))]
+        response = [rng.randint(1, 99) for _ in range(rng.randint(0, 12))]
+        if rng.random() < 0.5:  # views of the step's int32 buffers, as the step passes them
+            prompt = torch.tensor([0, *prompt], dtype=torch.int32)[1:]
+            response = torch.tensor(response, dtype=torch.int32)
+        n = len(response)
+        fields = {"a": (torch.randn(n) * 5).to(dtype), "b": torch.randn(n)} if with_fields else {}
+        out.append(Sample(prompt, response, fields))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pack_equals_token_by_token_reference(seed):
+    rng = random.Random(seed)
+    for _ in range(150):
+        samples = random_samples(rng)
+        cp, multiple, each = rng.choice([1, 2, 4]), rng.choice([1, 2, 3]), rng.random() < 0.5
+        tokens, positions, labels, mask, fields, cu_padded = reference_rows(
+            samples, cp, multiple, each
+        )
+        for rank in range(cp):
+            mb = pack(samples, cp_size=cp, cp_rank=rank, pad_multiple=multiple, pad_each=each)
+            assert torch.equal(mb.packed_seq_params.cu_seqlens_q_padded, cu_padded)
+            shard = (cu_padded, cp, rank)
+            assert torch.equal(mb.tokens, cp_row(tokens, torch.long, *shard))
+            assert torch.equal(mb.position_ids, cp_row(positions, torch.long, *shard))
+            assert torch.equal(mb.labels, cp_row(labels, torch.long, *shard))
+            assert torch.equal(mb.response_mask, cp_row(mask, torch.bool, *shard))
+            for name, values in fields.items():
+                dtype = samples[0].fields[name].dtype
+                assert mb.fields[name].dtype == dtype
+                assert torch.equal(mb.fields[name], cp_row(values, dtype, *shard))
+
+
+def test_num_tokens_counts_lists_and_tensors():
+    assert Sample([1, 2, 3], [4]).num_tokens == 4
+    ids = torch.arange(10, dtype=torch.int32)
+    assert Sample(ids[:3], ids[3:]).num_tokens == 10
