@@ -30,6 +30,7 @@ from vapo_megatron.step.scoring import Scored, Side, StepInputs, TokenFields
 from vapo_megatron.step.token_sums import (
     TokenSums,
     critic_metrics,
+    first_token_metrics,
     lambda_metrics,
     logprob_gap_sum,
 )
@@ -248,6 +249,9 @@ def _whiten_and_measure(
             metrics.update(lambda_metrics(lam_policy))
         metrics.update(
             critic_metrics(sums, arrays["returns"], arrays["old_values"], int(offsets[-1]))
+        )
+        metrics.update(
+            first_token_metrics(sums, side.held, arrays["returns"], arrays["old_values"])
         )
     if "advantages" in arrays:
         mean, std = sums.mean_std(arrays["advantages"])

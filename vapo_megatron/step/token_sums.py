@@ -3,8 +3,9 @@
 A rank holds some samples' per-token outputs (``HeldTokens``: the whole step on the flat route,
 its own samples on the shard route) and counts some of those tokens (each token once over the
 job); ``TokenSums`` sums over the counted tokens and all-reduces the sums over the host group.
-The step's statistics (log-prob gap, explained variance, value and return means, the
-whitening's and the advantages' mean and std) are written once on top of it.
+The step's statistics (log-prob gap, explained variance, value and return means over all
+tokens and at each response's first token, the whitening's and the advantages' mean and std)
+are written once on top of it.
 """
 
 from __future__ import annotations
@@ -108,6 +109,32 @@ def critic_metrics(
         "critic/explained_variance": explained_variance(totals).item(),
         "critic/values_mean": (r_sum - e_sum) / total,  # sum V = sum R - sum (R - V)
         "critic/returns_mean": r_sum / total,
+    }
+
+
+def first_token_metrics(
+    sums: TokenSums, held: HeldTokens, returns: torch.Tensor, values: torch.Tensor
+) -> dict[str, float]:
+    """Means over the step's samples of the critic's value and of the return at each
+    response's first token (V(s_0), the state after the prompt, against its target): the
+    bias a critic started from a reward model carries before the early tokens' values are
+    fitted. ``returns``, ``values``: [held.num_tokens] the held samples' buffers. A sample's
+    first token is counted where ``sums`` counts it (once over the job), so any layout gives
+    the same means."""
+    first = torch.tensor([held.start[i] for i in held.ids.tolist()], dtype=torch.long, device=HOST)
+    if sums.counting is not None:
+        first = first[sums.counting[first]]
+    n, v, r = sums.total(
+        [
+            torch.tensor(first.numel(), dtype=torch.float64, device=HOST),
+            values[first].sum(dtype=torch.float64),
+            returns[first].sum(dtype=torch.float64),
+        ]
+    )
+    count = max(n.item(), 1.0)
+    return {
+        "critic/value_first_token": v.item() / count,
+        "critic/return_first_token": r.item() / count,
     }
 
 
