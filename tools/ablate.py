@@ -12,7 +12,8 @@ samples per step, one sample per prompt where the paper's baseline draws one, th
 critic-pretraining steps where the preset pretrains, DAPO's overlong buffer at the paper's share
 of the response length, and the critic started from the policy (the tiny task has no reward
 model). A run whose summary.json exists is skipped and an interrupted one resumes from its
-checkpoint, so a half-finished sweep continues where it stopped. Prints the table (held-out
+checkpoint, so a half-finished sweep continues where it stopped. Runs go seed by seed (every
+row's seed 1 first), so a sweep cut short still compares every row. Prints the table (held-out
 avg@k after the last step: mean and spread over seeds; steps; seconds) and writes it to
 OUT/table.md and OUT/table.json.
 """
@@ -211,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results: dict[str, list[dict]] = {}
     started = time.perf_counter()
-    for name in names:
-        for seed in range(1, args.seeds + 1):
+    # Seed-major: every row's seed 1 before any row's seed 2, so an interrupted sweep has
+    # every row to compare.
+    for seed in range(1, args.seeds + 1):
+        for name in names:
             run_dir = args.out / name / f"seed_{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
             state = "done, skipped" if (run_dir / "summary.json").is_file() else "running"
