@@ -18,10 +18,8 @@ Data flow of one VAPO step (``step/run.py`` calls these in order):
    (``gae_on_cp_shards``: one carry per sequence crosses CP ranks). The returns, the critic's
    targets, stay where the critic trains; the statistics and the whitening are float64 sums
    over the host group, each token counted once.
-4. Advantages to the policy's owners (``AdvantageExchange``, where p and c differ): an
-   all-to-all over the host group (from whole sequences in rounds of ``EXCHANGE_CHUNK``
-   tokens a piece, so neither end holds a step-sized send or receive buffer; a rank's piece
-   for itself never leaves it). Each token's advantage is sent once per receiving rank by
+4. Advantages to the policy's owners (``AdvantageExchange``, where p and c differ): one
+   all-to-all over the host group. Each token's advantage is sent once per receiving rank by
    one critic rank: the last pipeline stage's first TP rank of c(i), each CP rank its own
    chunks (under CP with PP, CP rank 0 of the reassembled sequences); it goes to every rank
    of p(i)'s last pipeline stage (each TP rank computes the loss; each CP rank gets the whole
@@ -63,10 +61,6 @@ from vapo_megatron.step.scoring import (
 )
 from vapo_megatron.step.shard_route import ScoringPass, StepShare, score_share
 from vapo_megatron.trainer.model_engine import ModelEngine
-
-EXCHANGE_CHUNK = 1 << 20
-"""Tokens of each piece per all-to-all round of the whole-sequence exchange: its send and
-receive buffers stay a round's size (4 MB a piece), not a step's (~170 MB a rank at 32B)."""
 
 
 class RoutedRoute:
@@ -173,11 +167,6 @@ class AdvantageExchange:
             self.sent_elsewhere = sum(
                 b - a for r, spans in enumerate(self.send_spans) if r != me for a, b in spans
             )
-            # Every rank takes part in every round: as many as the longest piece of the job needs.
-            longest = max(sum(b - a for a, b in spans) for spans in self.send_spans)
-            most = torch.tensor([longest], dtype=torch.long, device=HOST)
-            collectives.all_reduce(most, host_group, op=dist.ReduceOp.MAX)
-            self.rounds = -(-int(most) // EXCHANGE_CHUNK)
             return
         per_dp = self._positions(
             policy_share, critic_share, critic_side, response_lengths, policy.dp_size, sends
@@ -245,14 +234,17 @@ class AdvantageExchange:
             if self.dst.numel():
                 out[self.dst] = torch.cat(received)
             return out
-        pieces = [_take(critic_array, spans) for spans in self.send_spans]
-        fills = [_SpanFill(out, spans) for spans in self.recv_spans]
-        for k in range(self.rounds):  # each piece a chunk at a time, in order
-            chunk = slice(k * EXCHANGE_CHUNK, (k + 1) * EXCHANGE_CHUNK)
-            for fill, part in zip(fills, self._exchange([p[chunk] for p in pieces]), strict=True):
-                fill.write(part)
-        for fill in fills:
-            fill.check_complete()
+        received = self._exchange([_take(critic_array, spans) for spans in self.send_spans])
+        for piece, spans in zip(received, self.recv_spans, strict=True):
+            done = 0
+            for a, b in spans:
+                out[a:b] = piece[done : done + b - a]
+                done += b - a
+            if done != piece.numel():
+                raise RuntimeError(
+                    f"rank {dist.get_rank()} was sent {piece.numel()} advantages by a critic "
+                    f"rank that owes it {done}: the ranks disagree on the step's owners"
+                )
         return out
 
     def _exchange(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -266,42 +258,6 @@ class AdvantageExchange:
         received = collectives.all_to_all_varlen(pieces, self.host_group)
         received[me] = own
         return received
-
-
-class _SpanFill:
-    """Writes the chunks of one sender's piece, as they arrive in order, into ``out`` at
-    ``spans`` (this rank's policy-buffer spans of that sender's samples, ascending)."""
-
-    def __init__(self, out: torch.Tensor, spans: list[tuple[int, int]]) -> None:
-        self.out, self.spans = out, spans
-        self.expected = sum(b - a for a, b in spans)
-        self.received = 0
-        self.span, self.offset = 0, 0  # the next position: spans[span][0] + offset
-
-    def write(self, chunk: torch.Tensor) -> None:
-        self.received += chunk.numel()
-        if self.received > self.expected:
-            self._disagree()
-        done = 0
-        while done < chunk.numel():
-            a, b = self.spans[self.span]
-            start = a + self.offset
-            take = min(b - start, chunk.numel() - done)
-            self.out[start : start + take] = chunk[done : done + take]
-            done += take
-            self.offset += take
-            if start + take == b:
-                self.span, self.offset = self.span + 1, 0
-
-    def check_complete(self) -> None:
-        if self.received != self.expected:
-            self._disagree()
-
-    def _disagree(self) -> None:
-        raise RuntimeError(
-            f"rank {dist.get_rank()} was sent {self.received} advantages (so far) by a critic "
-            f"rank that owes it {self.expected}: the ranks disagree on the step's owners"
-        )
 
 
 def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
