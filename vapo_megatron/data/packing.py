@@ -213,7 +213,7 @@ def pack(
     for sample, p, r, width in zip(samples, n_prompt, n_resp, padded, strict=True):
         tokens[start : start + p] = torch.as_tensor(sample.prompt, device=HOST)
         tokens[start + p : start + p + r] = torch.as_tensor(sample.response, device=HOST)
-        torch.arange(p + r, out=positions[start : start + p + r])
+        torch.arange(p + r, out=positions[start : start + p + r], device=HOST)
         if width > p + r:
             tokens[start + p + r : start + width] = 0
             positions[start + p + r : start + width] = 0
