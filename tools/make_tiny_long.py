@@ -1,10 +1,12 @@
 """Writes the long-trace task (issue 29): its splits, the warmed-up tiny policy and its reward model.
 
-    python tools/make_tiny_long.py OUT_DIR [--seed 0] [--warmup-steps N] [--slip-rate X]
-        [--orm-prompts N] [--orm-steps N] [--n-train 2000] [--n-eval 200] [--eval-prompts 200]
+    python tools/make_tiny_long.py OUT_DIR [--seed 0] [--warmup-steps 3000] [--slip-rate 0.02]
+        [--warmup-problems 40000] [--orm-prompts 256] [--orm-steps 150] [--n-train 2000]
+        [--n-eval 200] [--eval-prompts 100]
 
 OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (``data/long_trace.py``, graded by the long_trace
-verifier), OUT_DIR/model (tokenizer + Qwen2ForCausalLM warmed up on slipping traces) and
+verifier), OUT_DIR/model (tokenizer + Qwen2ForCausalLM warmed up on slipping traces of fresh
+problems; the defaults are the shipped build, ~28 minutes on a shared core) and
 OUT_DIR/reward_model (Qwen2ForSequenceClassification: the policy's trunk and a scalar head
 trained on the policy's own samples with the verifier's score at the last token only;
 ``data/tiny_long.py``). Prints one JSON line: sizes, seconds, the policy's pass rates (greedy
@@ -33,7 +35,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from make_tiny import sha256  # noqa: E402
 
-STAMP_VERSION = 1
+STAMP_VERSION = 2
 """Bump when the task, tokenizer or models change, so old outputs are rebuilt."""
 
 
@@ -41,8 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-steps", type=int, default=1500)
-    parser.add_argument("--slip-rate", type=float, default=0.05, help="warm-up lines that slip")
+    parser.add_argument("--warmup-steps", type=int, default=3000)
+    parser.add_argument("--slip-rate", type=float, default=0.02, help="warm-up lines that slip")
+    parser.add_argument("--warmup-problems", type=int, default=40000, help="fresh, none held out")
     parser.add_argument("--orm-prompts", type=int, default=256, help="train prompts sampled")
     parser.add_argument("--orm-steps", type=int, default=150)
     parser.add_argument("--n-train", type=int, default=2000)
@@ -111,8 +114,10 @@ def build(args: argparse.Namespace) -> dict:
     start, start_cpu = time.perf_counter(), time.process_time()
     train_path, eval_path = make_splits(out_dir, args.n_train, args.n_eval, args.seed)
     model_dir, orm_dir = out_dir / "model", out_dir / "reward_model"
-    warm = write_long_policy(model_dir, train_path=train_path, seed=args.seed,
-                             warmup_steps=args.warmup_steps, slip_rate=args.slip_rate)  # fmt: skip
+    warm = write_long_policy(model_dir, train_path=train_path, eval_path=eval_path,
+                             seed=args.seed, warmup_steps=args.warmup_steps,
+                             slip_rate=args.slip_rate,
+                             warmup_problems=args.warmup_problems)  # fmt: skip
     warm_seconds = time.perf_counter() - start
     orm = write_reward_model(orm_dir, policy_dir=model_dir, seed=args.seed,
                              rows=read_rows(train_path)[: args.orm_prompts],

@@ -2,9 +2,11 @@
 
 - ``write_long_policy``: tokenizer (``tiny_model.train_tokenizer`` on this task's corpus) and a
   ``Qwen2ForCausalLM`` of the demo's shape (``tiny_model.tiny_qwen2_config``: 2 layers, hidden
-  128, 0.4 M parameters), warmed up by supervised steps on worked solutions that slip at
-  ``slip_rate`` a line (``long_trace.worked_solution``). The policy learns every step and to
-  slip at about that rate, so at temperature 1 it fails more often the longer the trace.
+  128, 0.4 M parameters), warmed up by supervised steps on worked solutions of fresh problems
+  (none held out) that slip at ``slip_rate`` a line (``long_trace.worked_solution``). The
+  policy learns every step and to slip at about that rate, so at temperature 1 it fails more
+  often the longer the trace. The warm-up's length matters more than the model's size: the
+  sums modulo 100 are learned late (docs/ablation.md, "Why the first build was weak").
 - ``write_reward_model``: the outcome reward model (ORM) the paper starts its critic from, in
   miniature: a ``Qwen2ForSequenceClassification`` whose trunk is the warmed-up policy's and whose
   scalar head (``score``, zero at first) is trained, with the trunk, on the policy's own samples
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
-from vapo_megatron.data.long_trace import parse, read_rows, solve, worked_solution
+from vapo_megatron.data.long_trace import make_rows, parse, read_rows, solve, worked_solution
 from vapo_megatron.data.prompts import PromptRecord
 from vapo_megatron.data.templates import encode_prompt
 from vapo_megatron.data.tiny_model import tiny_qwen2_config, train_tokenizer
@@ -39,6 +41,8 @@ logger = logging.getLogger("vapo_megatron")
 
 MAX_RESPONSE_TOKENS = 700
 """Sampling cap: the longest correct response is ~575 tokens."""
+WARMUP_PROBLEMS = 40000
+"""Fresh problems the warm-up draws its batches from (16 x 3000 steps is 1.2 passes)."""
 MAX_POSITIONS = 1024
 """The models' max_position_embeddings (tiny_qwen2_config's); prompt + response stay below."""
 
@@ -47,21 +51,28 @@ def write_long_policy(
     out_dir: str | Path,
     *,
     train_path: str | Path,
+    eval_path: str | Path,
     seed: int,
     warmup_steps: int,
     slip_rate: float,
+    warmup_problems: int = WARMUP_PROBLEMS,
     lr: float = 3e-3,
     batch_size: int = 16,
 ) -> dict[str, float]:
     """Writes the tokenizer and the warmed-up policy to ``out_dir``; returns the warm-up's
-    last loss and seconds. The tokenizer's corpus and the warm-up's problems are the rows of
-    ``train_path`` (``long_trace.make_splits``)."""
+    last loss. The tokenizer's corpus is the rows of ``train_path`` (``long_trace.make_splits``);
+    the warm-up's problems are ``warmup_problems`` fresh ones drawn from ``seed + 2``, none of
+    them a prompt of ``eval_path`` (the held-out pass rates measure unseen programs)."""
     if warmup_steps < 1:
         raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
     if not 0.0 <= slip_rate < 1.0:
         raise ValueError(f"slip_rate must be in [0, 1), got {slip_rate}")
-    rows = read_rows(train_path)
-    tokenizer = train_tokenizer([t for r in rows for t in (r["prompt"], solve(r["prompt"])[1])])
+    train_rows = read_rows(train_path)
+    held_out = {row["prompt"] for row in read_rows(eval_path)}
+    rows = make_rows(warmup_problems, seed + 2, exclude=held_out)
+    tokenizer = train_tokenizer(
+        [t for r in train_rows for t in (r["prompt"], solve(r["prompt"])[1])]
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(tiny_qwen2_config(tokenizer))
     out_dir = Path(out_dir)

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.unit
 def test_policy_and_reward_model_build_small(tmp_path):
     train, evals = make_splits(tmp_path, 48, 4, seed=0)
     policy_dir, orm_dir = tmp_path / "model", tmp_path / "reward_model"
-    write_long_policy(policy_dir, train_path=train, seed=0, warmup_steps=3, slip_rate=0.05,
-                      batch_size=4)  # fmt: skip
+    write_long_policy(policy_dir, train_path=train, eval_path=evals, seed=0, warmup_steps=3,
+                      slip_rate=0.05, warmup_problems=32, batch_size=4)  # fmt: skip
     policy = AutoModelForCausalLM.from_pretrained(policy_dir)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     assert (
