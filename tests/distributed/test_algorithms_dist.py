@@ -16,6 +16,7 @@ def test_cp_gae_and_invariance_up_to_4_ranks():
     assert "DP=2 CP=2 micro=3" in outputs[3]
 
 
+@pytest.mark.slow  # CI time (~32s on 2 busy cores); 8 ranks; up to 4 ranks in the test above
 def test_invariance_dp4_cp2_on_8_ranks():
     outputs = run_workers(WORKER, 8, "4x2", timeout=240)
     assert all("DP=4 CP=2 micro=3: loss, grads, metrics equal" in out for out in outputs)

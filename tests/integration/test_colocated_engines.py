@@ -12,6 +12,7 @@ pytest.importorskip("vllm", reason="vllm is not installed (make test installs vl
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
 
+@pytest.mark.slow  # CI time (~85s on 2 busy cores); the next test syncs TP2 replicas inside a trainer step; test_sync.py the PP stream
 def test_megatron_tp2_pp2_into_two_vllm_tp2_replicas(tmp_path):
     outputs = run_workers(WORKER, 4, str(tmp_path), "2", timeout=500)
     check_sync_outputs(outputs)

@@ -124,6 +124,7 @@ def test_short_demo_writes_outputs_shows_and_resumes(assets, tmp_path):
     assert resumed["start"] == "resumed" and resumed["resumed"] is True
 
 
+@pytest.mark.slow  # CI time (~105s on 2 busy cores); the demo test above runs the same trainer path
 def test_ablate_two_presets_one_seed(assets, tmp_path):
     out_dir = tmp_path / "ablate"
     args = ["--only", "vapo,grpo", "--seeds", "1", "--steps", "2", "--out", str(out_dir),

@@ -40,6 +40,7 @@ def kill_and_compare(out, assets, *args: str, overrides=(), timeout: float) -> d
     return summary
 
 
+@pytest.mark.slow  # CI time (~170s on 2 busy cores); kill/resume stays in the default run: test_trainer.py::test_resume_after_kill_matches_uninterrupted_run
 @pytest.mark.timeout(960)  # past the tool's 900 s: five starts of the tiny run
 def test_kills_at_the_pretraining_windows(tmp_path, assets):
     summary = kill_and_compare(

@@ -70,7 +70,13 @@ def inputs(tmp_path_factory) -> dict[str, str]:
             "CRITIC_INIT": str(root / "critic")}  # fmt: skip
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
+@pytest.mark.parametrize(
+    "script",
+    [
+        s if s == "vapo_qwen32b.sh" else pytest.param(s, marks=pytest.mark.slow)
+        for s in sorted(SCRIPTS)
+    ],
+)  # the 32B script by default; the others under -m slow (CI time)
 def test_dry_run_prints_and_validates(script: str, inputs: dict[str, str]) -> None:
     world, preset = SCRIPTS[script]
     env = clean_env(DRY_RUN="1", **inputs)

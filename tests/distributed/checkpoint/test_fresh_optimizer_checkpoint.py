@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).parent / "workers" / "fresh_optimizer_worker.py"
 
 
-@pytest.mark.parametrize("adam", ["torch", "lazy"])
+@pytest.mark.parametrize("adam", [pytest.param("torch", marks=pytest.mark.slow), "lazy"])  # CI time
 def test_checkpoint_before_first_step_resumes(adam, tmp_path):
     cases = "TP2,DP2-distopt"
     outputs = run_workers(WORKER, 2, adam, cases, str(tmp_path), timeout=300)

@@ -121,6 +121,7 @@ def test_7b_recipe_at_world_8() -> None:
     assert [r["vllm_replica"] for r in last_json(done.stdout)["ranks"]] == [0, 1, 3]
 
 
+@pytest.mark.slow  # CI time (~45 s); test_slurm.py's world refusal runs by default
 @pytest.mark.timeout(180)
 def test_a_world_the_layout_cannot_use_fails_as_the_real_run_does(
     assets: list[str], tmp_path: Path

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).parent / "workers" / "mixed_layout_worker.py"
 
 
+@pytest.mark.slow  # CI time (~37s on 2 busy cores); test_shard_path.py holds mixed layouts against a single-rank reference
 def test_policy_and_critic_on_their_own_layouts_equal_single_process():
     outputs = run_workers(WORKER, 4, "a,b,c", timeout=240)
     text = "\n".join(outputs)

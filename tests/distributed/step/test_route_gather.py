@@ -11,7 +11,7 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).parent / "workers" / "route_gather_worker.py"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # CI time
 def test_routes_reach_exactly_their_owners(world):
     outputs = run_workers(WORKER, world, timeout=120)
     for rank, out in enumerate(outputs):

@@ -145,8 +145,11 @@ def test_console_holds_the_runs_own_lines(end_to_end):
     "layout",
     [
         # CP2 for the policy, DP2 for the critic; value clipping and whitening switched on.
-        ("policy.layout.tp=1", "policy.layout.cp=2", "critic.layout.tp=1",
-         "algorithm.value_clip=0.5", "trainer.whiten_advantages=true"),
+        pytest.param(
+            ("policy.layout.tp=1", "policy.layout.cp=2", "critic.layout.tp=1",
+             "algorithm.value_clip=0.5", "trainer.whiten_advantages=true"),
+            marks=pytest.mark.slow,  # CI time; CP in the step: tests/distributed/step
+        ),
         # PP2 for the policy, TP2 for the critic.
         ("policy.layout.tp=1", "policy.layout.pp=2", "critic.layout.tp=2"),
     ],
@@ -237,7 +240,9 @@ def test_resume_after_kill_matches_uninterrupted_run(assets, tmp_path):
     ("before", "after"),
     [
         # Both models DP2 on 2 ranks -> DP1 on 1 rank (the default dp_reshardable format).
-        ((2, "policy.layout.tp=1"), (1, "policy.layout.tp=1")),
+        pytest.param(  # CI time; resharding: test_checkpoint_reshard.py in the default run
+            (2, "policy.layout.tp=1"), (1, "policy.layout.tp=1"), marks=pytest.mark.slow
+        ),
         # Policy TP2 -> TP1 (DP2) on 2 ranks, saved fully reshardable. Slow: the default run
         # holds the same resharding in tests/distributed/checkpoint/test_checkpoint_reshard.py.
         pytest.param(
@@ -261,6 +266,7 @@ def test_resume_at_another_layout(assets, tmp_path, before, after):
     check_step_metrics(read_metrics(run), 3)
 
 
+@pytest.mark.slow  # CI time (~47s on 2 busy cores); the eval command and offline rollouts
 def test_eval_command_and_offline_critic_fit(assets, end_to_end, tmp_path):
     """vapo-eval on the exported policy; critic pretraining from the run's saved rollouts."""
     first = end_to_end

@@ -28,7 +28,7 @@ def check_sync_outputs(outputs: list[str]) -> None:
         assert f"rank {rank}: sleep/wake order enforced" in output
 
 
-@pytest.mark.parametrize("engine_tp", [1, 2])
+@pytest.mark.parametrize("engine_tp", [pytest.param(1, marks=pytest.mark.slow), 2])  # CI time
 def test_megatron_to_vllm(engine_tp, tmp_path):
     outputs = run_workers(WORKER, 2, str(tmp_path), str(engine_tp), timeout=400)
     check_sync_outputs(outputs)
