@@ -92,7 +92,11 @@ def routes_to_owners(
     for dest in range(world):
         ids = by_pair.get((me, rank_dp[dest]), [])
         parts = [rows[first[i] : first[i] + counts[i]] for i in ids]
-        data = torch.cat(parts) if parts else torch.zeros((0, *store.shape), dtype=torch.int16)
+        data = (
+            torch.cat(parts)
+            if parts
+            else torch.zeros((0, *store.shape), dtype=torch.int16, device=HOST)
+        )
         pieces.append(data.reshape(-1).view(torch.uint8))  # gloo has no int16
     received = collectives.all_to_all_varlen(pieces, host_group)
     kept: dict[int, torch.Tensor] = {}
