@@ -90,17 +90,10 @@ def run_step(
     critic_routes = scored_critic_routes(scored, models, len(trajectories))
     metrics.update(
         update_models(
-            session,
-            models,
-            trajectories,
-            fields,
-            route,
-            step,
-            timer,
-            policy_routes=policy_routes,
-            critic_routes=critic_routes,
-        )  # fmt: skip
-    )
+            session, models, trajectories, fields, route, step, timer,
+            policy_routes=policy_routes, critic_routes=critic_routes,
+        )
+    )  # fmt: skip
     # 8. Metrics (the checkpoint is the loop's).
     prompts, responses = trajectories.prompts, trajectories.responses
     metrics.update(timer.metrics(int(prompts.offsets[-1]) + int(responses.offsets[-1])))
