@@ -107,9 +107,9 @@ def worker(gpu: bool) -> None:
     for name, make in (("padded", pad), ("packed", pack)):
         mbs = [make(samples[i * per : (i + 1) * per]) for i in range(micro)]
         for mb in mbs:
-            mb.tokens, mb.position_ids, mb.labels = (
-                t.to(device) for t in (mb.tokens, mb.position_ids, mb.labels)
-            )
+            mb.tokens, mb.labels = mb.tokens.to(device), mb.labels.to(device)
+            if mb.position_ids is not None:  # padded rows; packed ones carry none
+                mb.position_ids = mb.position_ids.to(device)
             mb.response_mask = mb.response_mask.to(device)
             mb.fields = {k: v.to(device) for k, v in mb.fields.items()}
             if mb.packed_seq_params is not None:

@@ -47,7 +47,14 @@ class MicroBatch:
     """Model inputs and label-aligned per-token fields of this CP rank, all [b, s] ([1, t] packed)."""
 
     tokens: torch.Tensor
-    position_ids: torch.Tensor
+    position_ids: torch.Tensor | None
+    """Padded rows: each row's positions. Packed rows: None, and none are built (8 bytes a
+    token on the host and over PCIe): a RoPE model restarts positions at each sequence from
+    ``packed_seq_params`` (megatron's GPTModel reads ``position_ids`` only for learned
+    absolute position embeddings, multimodal RoPE and multi-token prediction, none of which
+    our families use; ``ModelEngine`` checks), as Megatron-LM's own RL path
+    (``rl_utils.get_logprobs``) passes None with packed sequences. ``packed_positions``
+    builds them where a caller wants them (tests, tools)."""
     labels: torch.Tensor
     response_mask: torch.Tensor
     """True where the label is a response token (the positions that count)."""
@@ -69,7 +76,7 @@ class MicroBatch:
 
         cu_seqlens go as int32 (what Transformer Engine's packed attention takes). Copies are
         ``non_blocking``; the host side is not pinned: a micro-batch of 16k tokens is ~1 MB
-        (tokens, positions, labels, mask and a few fields), tens of microseconds over PCIe,
+        (tokens, labels, mask and a few fields), tens of microseconds over PCIe,
         less than pinning it would cost.
         """
         non_blocking = device.type == "cuda"
@@ -92,10 +99,11 @@ class MicroBatch:
                     if getattr(params, name) is not None
                 },
             )
+        positions = self.position_ids
         return dataclasses.replace(
             self,
             tokens=move(self.tokens),
-            position_ids=move(self.position_ids),
+            position_ids=None if positions is None else move(positions),
             labels=move(self.labels),
             response_mask=move(self.response_mask),
             fields={name: move(value) for name, value in self.fields.items()},
@@ -205,7 +213,6 @@ def pack(
     # thousands of micro-batches on the host. The int64 rows (24 of a token's 25 bytes without
     # fields) are not zero-filled first: only the padding after each sequence is zeroed.
     tokens = torch.empty(total, dtype=torch.long, device=HOST)
-    positions = torch.empty(total, dtype=torch.long, device=HOST)
     mask = torch.zeros(total, dtype=torch.bool, device=HOST)
     fields = {n: torch.zeros(total, dtype=samples[0].fields[n].dtype, device=HOST) for n in names}
     ends = []  # (first position after the sequence's last real token, end of its padding)
@@ -213,10 +220,8 @@ def pack(
     for sample, p, r, width in zip(samples, n_prompt, n_resp, padded, strict=True):
         tokens[start : start + p] = torch.as_tensor(sample.prompt, device=HOST)
         tokens[start + p : start + p + r] = torch.as_tensor(sample.response, device=HOST)
-        torch.arange(p + r, out=positions[start : start + p + r], device=HOST)
         if width > p + r:
             tokens[start + p + r : start + width] = 0
-            positions[start + p + r : start + width] = 0
         response = slice(start + p - 1, start + p - 1 + r)  # label-aligned
         mask[response] = True
         for name in names:
@@ -246,7 +251,7 @@ def pack(
     )
     return MicroBatch(
         tokens=split(tokens)[None],
-        position_ids=split(positions)[None],
+        position_ids=None,
         labels=split(labels)[None],
         response_mask=split(mask)[None],
         fields={n: split(v)[None] for n, v in fields.items()},
@@ -254,6 +259,23 @@ def pack(
         packed_seq_params=params,
         num_seqs=len(samples),
     )
+
+
+def packed_positions(mb: MicroBatch, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+    """[1, t] positions of a packed micro-batch of this CP rank (``pack(cp_size=..,
+    cp_rank=..)``): 0, 1, ... within each sequence, 0 on its padding; what a model with
+    position embeddings would be given (the step's models need none: ``MicroBatch.position_ids``)."""
+    params = mb.packed_seq_params
+    if params is None:
+        raise ValueError("packed_positions needs a packed micro-batch (pack(), not pad())")
+    cu_padded = params.cu_seqlens_q_padded
+    lengths = params.cu_seqlens_q.diff().tolist()
+    positions = torch.zeros(mb.seq_length, dtype=torch.long, device=HOST)
+    for start, n in zip(cu_padded.tolist(), lengths, strict=False):
+        torch.arange(n, out=positions[start : start + n], device=HOST)
+    if cp_size > 1:
+        positions = split_packed_for_cp(positions, cu_padded, cp_size, cp_rank)
+    return positions[None]
 
 
 def pad(

@@ -97,8 +97,10 @@ class UpdateData:
         out = {
             "old_logprobs": self.fields.of("old_logprobs", i, length),
             "advantages": self.fields.of("advantages", i, length),
-            "positive": torch.full((length,), self.positive[i], dtype=torch.bool, device=HOST),
-            "seq_num_tokens": torch.full((length,), float(length), device=HOST),
+            # Per-sample constants as expanded scalars: packing writes them into the row; no
+            # response-sized tensor is made for them.
+            "positive": _BOOLS[self.positive[i]].expand(length),
+            "seq_num_tokens": torch.tensor(float(length), device=HOST).expand(length),
         }
         if self.correction is not None and self.correction.enabled:
             if self.rollout_logprobs is None:
@@ -114,6 +116,10 @@ class UpdateData:
 
     def both_fields(self, i: int, flat: slice) -> dict[str, torch.Tensor]:
         return {**self.critic_fields(i, flat), **self.policy_fields(i, flat)}
+
+
+_BOOLS = {flag: torch.tensor(flag, dtype=torch.bool, device=HOST) for flag in (False, True)}
+"""The ``positive`` field's two values (expanded per sample, never written)."""
 
 
 def run_updates(

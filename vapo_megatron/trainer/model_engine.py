@@ -393,6 +393,20 @@ def _checked_groups(layout: ModelLayout, groups: ModelGroups | None) -> ModelGro
     return groups
 
 
+def _check_positions_unused(model: torch.nn.Module) -> None:
+    """Packed micro-batches carry no position ids (``MicroBatch.position_ids``): refuse a
+    model that would read them (megatron's GPTModel reads them for learned absolute
+    position embeddings, multimodal RoPE and multi-token prediction)."""
+    kind = getattr(model, "position_embedding_type", "rope")
+    mtp = getattr(model, "mtp_process", False)
+    if kind != "rope" or mtp:
+        raise ValueError(
+            f"the model has position_embedding_type={kind!r}, multi-token prediction {mtp}: "
+            "packed micro-batches give no position ids, which only a RoPE model without "
+            "multi-token prediction does without (data/packing.py, MicroBatch.position_ids)"
+        )
+
+
 def _build_chunks(
     hf: HFModelConfig,
     config: TransformerConfig,
@@ -413,6 +427,7 @@ def _build_chunks(
     chunks: list[DistributedDataParallel] = []
     models = build_model(hf, config, head=head, pg_collection=pg_collection, layer_spec=layer_spec)
     for i, model in enumerate(models):
+        _check_positions_unused(model)
         # Megatron builds its layers on the GPU already (use_cpu_initialization=False);
         # this moves what it does not own (RoPE buffers, the project's norms and value
         # head) and is a no-op on CPU. Megatron-LM's get_model does the same.

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vapo_megatron.data.packing import Sample, pack, pad
+from vapo_megatron.data.packing import Sample, pack, packed_positions, pad
 from vapo_megatron.parallel.context_parallel import merge_from_cp
 
 pytestmark = pytest.mark.unit
@@ -28,7 +28,8 @@ def test_label_aligned_padded():
 def test_packed_layout_and_cp_split():
     mb = pack(samples())
     assert mb.tokens.tolist() == [[1, 2, 3, 4, 5, 7, 8, 9, 10]]
-    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]
+    assert mb.position_ids is None  # a RoPE model restarts them from packed_seq_params
+    assert packed_positions(mb).tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]
     assert mb.packed_seq_params.cu_seqlens_q.tolist() == [0, 5, 9]
     assert mb.packed_seq_params.cu_seqlens_q_padded.tolist() == [0, 5, 9]
     assert mb.labels[mb.response_mask].tolist() == [4, 5, 8, 9, 10]
@@ -103,6 +104,11 @@ def test_pack_equals_each_sample_laid_out_alone(cp_size, pad_multiple, pad_each)
                 value = alone.fields["adv"] if name == "adv" else getattr(alone, name)
                 full[name][int(cu[i]) : int(cu[i]) + n] = value[0]
         for name, row in full.items():
-            got = mb.fields["adv"] if name == "adv" else getattr(mb, name)
+            if name == "adv":
+                got = mb.fields["adv"]
+            elif name == "position_ids":
+                got = packed_positions(mb, cp_size, rank)
+            else:
+                got = getattr(mb, name)
             want = split_packed_for_cp(row, cu, cp_size, rank) if cp_size > 1 else row
             assert torch.equal(got[0], want), (name, rank)

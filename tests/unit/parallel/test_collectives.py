@@ -98,7 +98,11 @@ def samples():
 def test_micro_batch_to_moves_every_tensor(make):
     mb = make(samples(), cp_size=2, cp_rank=1)
     moved = mb.to(torch.device("meta"))
-    tensors = [moved.tokens, moved.position_ids, moved.labels, moved.response_mask]
+    tensors = [moved.tokens, moved.labels, moved.response_mask]
+    if make is pack:  # packed rows carry no position ids (MicroBatch.position_ids)
+        assert mb.position_ids is None and moved.position_ids is None
+    else:
+        tensors.append(moved.position_ids)
     tensors += list(moved.fields.values())
     params = moved.packed_seq_params
     if params is not None:
@@ -179,3 +183,18 @@ def test_engine_refuses_a_long_row_on_a_gpu_without_te(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match="local spec's dense attention"):
         engine.run([long], value_scoring_fn(), forward_only=True)
+
+
+def test_engine_refuses_a_model_that_reads_position_ids():
+    from types import SimpleNamespace
+
+    from vapo_megatron.trainer.model_engine import _check_positions_unused
+
+    _check_positions_unused(SimpleNamespace(position_embedding_type="rope", mtp_process=False))
+    for model in (
+        SimpleNamespace(position_embedding_type="learned_absolute", mtp_process=False),
+        SimpleNamespace(position_embedding_type="mrope", mtp_process=False),
+        SimpleNamespace(position_embedding_type="rope", mtp_process=True),
+    ):
+        with pytest.raises(ValueError, match="packed micro-batches give no position ids"):
+            _check_positions_unused(model)

@@ -142,5 +142,5 @@ def test_packing_takes_token_tensors_as_it_takes_lists():
     flat_p, flat_r = ragged(prompts), ragged(responses)
     as_views = [Sample(prompt=flat_p[i], response=flat_r[i]) for i in range(6)]
     a, b = pack(as_lists, cp_size=2, cp_rank=1), pack(as_views, cp_size=2, cp_rank=1)
-    for name in ("tokens", "labels", "response_mask", "position_ids"):
+    for name in ("tokens", "labels", "response_mask"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name

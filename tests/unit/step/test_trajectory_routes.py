@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.data.packing import packed_positions
 from vapo_megatron.step.batching import ROUTES, build_samples, micro_batches
 from vapo_megatron.step.engine_routes import RouteStore
 from vapo_megatron.step.rollout_store import load_rollouts, save_rollouts
@@ -103,7 +104,7 @@ def test_packing_places_routes_on_their_positions(cp):
                 continue
             sample, flat = divmod(entry, 1000)
             position = flat // (LAYERS * TOP_K)
-            assert int(mb.position_ids[0, pos]) == position
+            assert int(packed_positions(mb, cp, cp_rank)[0, pos]) == position
             tokens = PROMPTS[sample] + RESPONSES[sample]
             assert int(mb.tokens[0, pos]) == tokens[position]
         # Every token but each sequence's last (and no padding) has a route.
