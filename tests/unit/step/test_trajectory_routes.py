@@ -98,13 +98,14 @@ def test_packing_places_routes_on_their_positions(cp):
         assert row.shape == (mb.tokens.shape[1], LAYERS, TOP_K) and row.dtype == torch.int16
         # Each position with a route holds its token's route: the sample and position are
         # recoverable from the entry (1000 * sample + (position * layers * top_k)).
+        positions = packed_positions(mb, cp, cp_rank)[0]
         for pos in range(row.shape[0]):
             entry = int(row[pos, 0, 0])
             if entry < 0:
                 continue
             sample, flat = divmod(entry, 1000)
             position = flat // (LAYERS * TOP_K)
-            assert int(packed_positions(mb, cp, cp_rank)[0, pos]) == position
+            assert int(positions[pos]) == position
             tokens = PROMPTS[sample] + RESPONSES[sample]
             assert int(mb.tokens[0, pos]) == tokens[position]
         # Every token but each sequence's last (and no padding) has a route.
