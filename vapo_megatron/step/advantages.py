@@ -220,18 +220,27 @@ def advantages_and_metrics(
             per_sample[held.ids], lengths[held.ids], output_size=held.num_tokens
         )
         _whiten_and_measure(algo, policy, inputs, metrics, whitened=whiten_advantages)
-    if policy is not None and inputs.rollout_logprobs is not None:
-        total = int(inputs.responses.offsets[-1])
-        counting = policy.sums.counting
-        gap = torch.zeros((), dtype=torch.float64, device=HOST)
-        if counting is None or bool(counting.any()):  # a rank that counts none adds 0
-            gap = logprob_gap_sum(
-                inputs.rollout_logprobs, policy.arrays["old_logprobs"], policy.held,
-                inputs.responses.offsets, policy.sums,
-            )  # fmt: skip
-        (gap_sum,) = policy.sums.total([gap])
-        metrics["rollout/logprob_gap"] = gap_sum.item() / total
     return _token_fields(critic, policy), metrics
+
+
+def logprob_gap_metrics(scored: Scored, inputs: StepInputs) -> dict[str, float]:
+    """``rollout/logprob_gap``: the mean over the step's response tokens of |exp(engine's
+    log-prob - the trainer's old log-prob) - 1|, each token counted once over the ranks
+    (float64 sums over the policy side's group); empty without a policy pass or the engine's
+    log-probs. Collective over that group."""
+    policy = scored.policy
+    if policy is None or inputs.rollout_logprobs is None:
+        return {}
+    total = int(inputs.responses.offsets[-1])
+    counting = policy.sums.counting
+    gap = torch.zeros((), dtype=torch.float64, device=HOST)
+    if counting is None or bool(counting.any()):  # a rank that counts none adds 0
+        gap = logprob_gap_sum(
+            inputs.rollout_logprobs, policy.arrays["old_logprobs"], policy.held,
+            inputs.responses.offsets, policy.sums,
+        )  # fmt: skip
+    (gap_sum,) = policy.sums.total([gap])
+    return {"rollout/logprob_gap": gap_sum.item() / total}
 
 
 def _whiten_and_measure(

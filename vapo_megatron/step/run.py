@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vapo_megatron.step.advantages import advantages_and_metrics
+from vapo_megatron.step.advantages import advantages_and_metrics, logprob_gap_metrics
 from vapo_megatron.step.critic_routes import step_routes as critic_step_routes
 from vapo_megatron.step.engine_routes import routes_to_owners
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
@@ -77,6 +77,10 @@ def run_step(
         models, inputs, algo=cfg.algorithm, monte_carlo=pretrain,
         token_budget=cfg.trainer.micro_batch_tokens,
     )  # fmt: skip
+    metrics.update(logprob_gap_metrics(scored, inputs))
+    if not cfg.algorithm.rollout_correction.enabled:  # nothing else reads them: freed
+        trajectories.rollout_logprobs = None
+        inputs.rollout_logprobs = None
     timer.lap("scoring")
     # 6. Advantages and critic targets.
     fields, step_stats = advantages_and_metrics(

@@ -37,8 +37,10 @@ class Trajectories:
     """Prompt token ids: int32 [P] with offsets [S + 1]."""
     responses: Ragged
     """Response token ids: int32 [N] with offsets [S + 1] (each ends with EOS unless truncated)."""
-    rollout_logprobs: torch.Tensor
-    """[N] float32: vLLM's log-prob of each response token, in the responses' flat order."""
+    rollout_logprobs: torch.Tensor | None
+    """[N] float32: vLLM's log-prob of each response token, in the responses' flat order.
+    ``run_step`` drops it (None) once the scoring pass has measured the log-prob gap, unless
+    the rollout correction reads it in the policy's update."""
     group: torch.Tensor
     """[S] int64: index of the sample's prompt group in the step."""
     prompt_index: torch.Tensor
