@@ -33,7 +33,7 @@ from gpu_checks.tiny import LOGIT_TOLERANCE, OPTIM, SEED, TOKEN_BUDGET
 from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.step.advantages import advantages_and_metrics
+from vapo_megatron.step.advantages import advantages_and_metrics, logprob_gap_metrics
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
 from vapo_megatron.step.routed_route import RoutedRoute
 from vapo_megatron.step.scoring import StepInputs, StepModels, choose_path
@@ -127,9 +127,11 @@ def shard_step(ctx: Context, *, count_layer_calls: bool = False) -> dict:
     scored = route.score(
         models, inputs, algo=ctx.algo, monte_carlo=False, token_budget=TOKEN_BUDGET
     )
-    fields, path_metrics = advantages_and_metrics(
+    path_metrics = logprob_gap_metrics(scored, inputs)  # as run_step: right after scoring
+    fields, step_metrics = advantages_and_metrics(
         ctx.algo, scored, inputs, monte_carlo=False, whiten_advantages=True
     )
+    path_metrics.update(step_metrics)
     data = UpdateData(
         prompts=prompts, responses=responses, fields=fields,
         positive=[reward > 0 for reward in step.rewards],
