@@ -223,8 +223,10 @@ def worker(samples: int, steps: int, mixed: bool) -> None:
     rows = []
     for k in range(steps):
         spent.update(route=0.0, routed_tokens=0.0)
+        cpu = time.process_time()
         metrics = run.run_step(session, k, pretrain=False)
-        rows.append({**step_row(metrics), **spent})
+        cpu = time.process_time() - cpu - metrics.get("time/megatron", 0.0)
+        rows.append({**step_row(metrics), **spent, "cpu_s": cpu})
     result = {
         "rank": dist.get_rank(), "samples": int(metrics["num_samples"]),
         "response_tokens": int(metrics["response_length/mean"] * metrics["num_samples"]),
@@ -282,6 +284,9 @@ def run(quick: bool = False, samples: int | None = None, mixed: bool = False) ->
     host_gb = max(r["base_gb"] + (r["peak_gb"] - r["base_gb"]) * scale for r in results)
     route_s = max(r["steps"][best]["route"] for r in results) * scale
     routed = sum(r["steps"][best]["routed_tokens"] for r in results) * scale
+    cpu = [[r["steps"][k]["cpu_s"] for k in range(1, STEPS)] for r in results]
+    print("CPU s per step and rank (the stubbed generation included; steps 2-"
+          f"{STEPS}): " + "; ".join(" ".join(f"{c:.2f}" for c in row) for row in cpu))  # fmt: skip
     print(f"routed advantages: {routed:,.0f} tokens to another rank, {route_s:.2f} s (in the "
           "phases above)")  # fmt: skip
     print(f"extrapolated to {STEP_SAMPLES} samples (x{scale:g}): {seconds:.1f} s per step, "

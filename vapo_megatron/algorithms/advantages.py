@@ -11,6 +11,7 @@ from vapo_megatron.algorithms.gae import (
     length_adaptive_lambda,
     packed_returns,
 )
+from vapo_megatron.data.masks import all_true
 
 
 def gae_lambdas(
@@ -58,7 +59,7 @@ def decoupled_gae_packed(
     Both lambdas run in one scan over the tokens, with no padding to the longest sequence.
     """
     cu_seqlens = cu_seqlens.to(rewards.device)
-    if bool(response_mask.all()):
+    if all_true(response_mask):
         lengths = cu_seqlens.diff()
     else:
         lengths = torch.nn.functional.pad(response_mask.bool().cumsum(0), (1, 0))[cu_seqlens].diff()
@@ -70,7 +71,7 @@ def decoupled_gae_packed(
     # The critic's row becomes the returns in place: the two results share one [2, N] buffer.
     returns = advantages[1]
     values = values.to(returns.dtype)
-    if bool(response_mask.all()):
+    if all_true(response_mask):
         returns.add_(values)
     else:
         returns.addcmul_(values, response_mask.to(returns.dtype))

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from vapo_megatron.data.masks import all_true
+
 CHUNK = 16
 SCAN_CHUNK = 64  # tokens per chunk of the packed (segmented) scan
 SCAN_TILE = 16  # chunks per tile of its position-major layout
@@ -267,7 +269,7 @@ def gae_packed_lambdas(
     if ((lams < 0) | (lams > 1)).any():
         raise ValueError(f"lam must lie in [0, 1], got min {lams.min()} max {lams.max()}")
     mask = response_mask.bool()
-    if bool(mask.all()):  # every token is a response token: nothing to check or compact
+    if all_true(mask):  # every token is a response token: nothing to check or compact
         return _gae_flat(rewards, values, cu_seqlens, lams, gamma)
     check_rewards_on_response(rewards, response_mask, "packed token")
     # Drop the masked tokens: each sequence keeps its response tokens, in order.
@@ -285,7 +287,7 @@ def packed_returns(
 ) -> torch.Tensor:
     """Critic targets [N]: advantages + values on the mask, 0 off it (all [N])."""
     values = values.to(advantages.dtype)
-    if bool(response_mask.all()):
+    if all_true(response_mask):
         return advantages + values
     return torch.addcmul(advantages, values, response_mask.to(advantages.dtype))
 

@@ -23,6 +23,10 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from vapo_megatron.parallel.context_parallel import split_for_cp, split_packed_for_cp
 from vapo_megatron.parallel.devices import HOST
 
+IDS = torch.int32
+"""Token ids and labels of a micro-batch on the host: every vocabulary we load is below 2**31
+(Qwen's 152k), and packing is bound by the bytes it writes (docs/benchmarks.md)."""
+
 
 @dataclass
 class Sample:
@@ -47,6 +51,7 @@ class MicroBatch:
     """Model inputs and label-aligned per-token fields of this CP rank, all [b, s] ([1, t] packed)."""
 
     tokens: torch.Tensor
+    """Input ids, int32 on the host (``IDS``); int64 once moved (``to``)."""
     position_ids: torch.Tensor | None
     """Padded rows: each row's positions. Packed rows: None, and none are built (8 bytes a
     token on the host and over PCIe): a RoPE model restarts positions at each sequence from
@@ -56,6 +61,7 @@ class MicroBatch:
     (``rl_utils.get_logprobs``) passes None with packed sequences. ``packed_positions``
     builds them where a caller wants them (tests, tools)."""
     labels: torch.Tensor
+    """The next token's id at each position (0 where none), int32 on the host as ``tokens``."""
     response_mask: torch.Tensor
     """True where the label is a response token (the positions that count)."""
     fields: dict[str, torch.Tensor]
@@ -74,7 +80,10 @@ class MicroBatch:
         micro-batch leaves the host. Packing builds on the host; the model's engine moves each
         micro-batch right before its forward, so a step holds one on the device at a time.
 
-        cu_seqlens go as int32 (what Transformer Engine's packed attention takes). Copies are
+        Token ids and labels cross as int32 (``IDS``: half the bytes packing writes and PCIe
+        carries) and are widened to int64 on ``device``, what megatron's embedding and the
+        log-probs' gather index with. cu_seqlens go as int32 (what Transformer Engine's packed
+        attention takes). Copies are
         ``non_blocking``; the host side is not pinned: a micro-batch of 16k tokens is ~1 MB
         (tokens, labels, mask and a few fields), tens of microseconds over PCIe,
         less than pinning it would cost.
@@ -102,9 +111,9 @@ class MicroBatch:
         positions = self.position_ids
         return dataclasses.replace(
             self,
-            tokens=move(self.tokens),
+            tokens=move(self.tokens).long(),
             position_ids=None if positions is None else move(positions),
-            labels=move(self.labels),
+            labels=move(self.labels).long(),
             response_mask=move(self.response_mask),
             fields={name: move(value) for name, value in self.fields.items()},
             packed_seq_params=params,
@@ -153,13 +162,10 @@ def _aligned(sample: Sample) -> tuple[torch.Tensor, ...]:
     n_prompt, n_resp = len(sample.prompt), len(sample.response)
     _check_sample(sample, n_prompt, n_resp)
     tokens = torch.cat(
-        [
-            torch.as_tensor(ids, dtype=torch.long, device=HOST)
-            for ids in (sample.prompt, sample.response)
-        ]
+        [torch.as_tensor(ids, dtype=IDS, device=HOST) for ids in (sample.prompt, sample.response)]
     )
     length = tokens.numel()
-    labels = torch.zeros(length, dtype=torch.long, device=HOST)
+    labels = torch.zeros(length, dtype=IDS, device=HOST)
     labels[:-1] = tokens[1:]
     mask = torch.zeros(length, dtype=torch.bool, device=HOST)
     mask[n_prompt - 1 : n_prompt - 1 + n_resp] = True
@@ -210,9 +216,9 @@ def pack(
     total = sum(padded)
 
     # Each sample's ids and fields are copied once, straight into the row: the step packs
-    # thousands of micro-batches on the host. The int64 rows (24 of a token's 25 bytes without
+    # thousands of micro-batches on the host. The id rows (8 of a token's 9 bytes without
     # fields) are not zero-filled first: only the padding after each sequence is zeroed.
-    tokens = torch.empty(total, dtype=torch.long, device=HOST)
+    tokens = torch.empty(total, dtype=IDS, device=HOST)
     mask = torch.zeros(total, dtype=torch.bool, device=HOST)
     fields = {n: torch.zeros(total, dtype=samples[0].fields[n].dtype, device=HOST) for n in names}
     ends = []  # (first position after the sequence's last real token, end of its padding)
@@ -228,7 +234,7 @@ def pack(
             fields[name][response] = sample.fields[name]
         ends.append((start + p + r - 1, start + width))
         start += width
-    labels = torch.empty(total, dtype=torch.long, device=HOST)
+    labels = torch.empty(total, dtype=IDS, device=HOST)
     labels[:-1] = tokens[1:]
     for last, end in ends:  # a sequence's last position predicts nothing; padding neither
         labels[last:end] = 0  # (the row's last position is the last sequence's)
@@ -299,9 +305,9 @@ def pad(
 
     positions = torch.arange(width, device=HOST).expand(len(aligned), width)
     return MicroBatch(
-        tokens=split(rows(0, torch.long)),
+        tokens=split(rows(0, IDS)),
         position_ids=split(positions),
-        labels=split(rows(1, torch.long)),
+        labels=split(rows(1, IDS)),
         response_mask=split(rows(2, torch.bool)),
         fields={n: split(rows(3, aligned[0][3][n].dtype, n)) for n in names},
         seq_length=width,

@@ -32,7 +32,7 @@ class LossNormalisers:
 
 def global_loss_normalisers(
     response_masks: Sequence[torch.Tensor],
-    positive_masks: Sequence[torch.Tensor],
+    positive_masks: Sequence[torch.Tensor | None],
     num_seqs: int,
     *,
     dp_cp_group: dist.ProcessGroup | None,
@@ -41,7 +41,10 @@ def global_loss_normalisers(
 ) -> LossNormalisers:
     """Count this rank's tokens over all its micro-batches and sum over ``dp_cp_group``.
 
-    response_masks[i], positive_masks[i]: micro-batch i's masks (any shape, same per i).
+    response_masks[i], positive_masks[i]: micro-batch i's masks (any shape, same per i; a
+    positive mask None: no correct response in it, e.g. the critic's micro-batches). Counted
+    on the masks' device by ``count_nonzero`` (``data/masks.py``: a bool ``sum`` is ~20x
+    slower on the host, where the step counts thousands of micro-batches).
     num_seqs: sequences this rank's data-parallel replica trains on. Every context-parallel
     rank of a replica holds a shard of the same sequences, so the sum over the group counts
     each sequence cp_size times and is divided by cp_size. ``device``: the model's (the counts
@@ -56,12 +59,21 @@ def global_loss_normalisers(
             "global_loss_normalisers needs at least one micro-batch; give a rank without data "
             "one empty mask"
         )
-    counts = torch.zeros(3, dtype=torch.float64, device=response_masks[0].device)
-    for mask, positive in zip(response_masks, positive_masks, strict=True):
-        counts[0] += mask.sum()
-        counts[2] += (mask.bool() & positive.bool()).sum()
-    counts[1] = num_seqs
-    counts = counts.to(device)
+    where = response_masks[0].device  # counted there, with no sync: one copy to ``device``
+    positives = [
+        torch.count_nonzero(mask.bool() & positive.bool())
+        for mask, positive in zip(response_masks, positive_masks, strict=True)
+        if positive is not None
+    ]
+    counts = torch.stack(
+        [
+            torch.stack([torch.count_nonzero(mask) for mask in response_masks]).sum(),
+            torch.tensor(num_seqs, dtype=torch.long, device=where),
+            torch.stack(positives).sum()
+            if positives
+            else torch.zeros((), dtype=torch.long, device=where),
+        ]
+    ).to(device, torch.float64)
     if dp_cp_group is not None:
         collectives.all_reduce(counts, dp_cp_group)
     counts[1] /= cp_size

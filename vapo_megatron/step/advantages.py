@@ -22,6 +22,7 @@ import torch.distributed as dist
 from vapo_megatron.algorithms.advantages import decoupled_gae_packed, gae_lambdas
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.group_advantages import group_normalized_advantages
+from vapo_megatron.data.masks import any_true
 from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.parallel.cp_gae import gae_context_parallel_packed
 from vapo_megatron.parallel.devices import HOST
@@ -234,7 +235,7 @@ def logprob_gap_metrics(scored: Scored, inputs: StepInputs) -> dict[str, float]:
     total = int(inputs.responses.offsets[-1])
     counting = policy.sums.counting
     gap = torch.zeros((), dtype=torch.float64, device=HOST)
-    if counting is None or bool(counting.any()):  # a rank that counts none adds 0
+    if counting is None or any_true(counting):  # a rank that counts none adds 0
         gap = logprob_gap_sum(
             inputs.rollout_logprobs, policy.arrays["old_logprobs"], policy.held,
             inputs.responses.offsets, policy.sums,

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.algorithms.config import AlgoConfig
+from vapo_megatron.data.masks import all_true, count_true
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.advantages import monte_carlo_config
@@ -208,7 +209,7 @@ class AdvantageExchange:
             rows = (owners == d).nonzero().squeeze(1)
             src = gather_index(local, rows)
             dst = src + torch.repeat_interleave(shift[rows], lengths[rows], output_size=src.numel())
-            if held is not None and not bool(held.all()):  # CP chunks: only the held ones
+            if held is not None and not all_true(held):  # CP chunks: only the held ones
                 keep = held[src]
                 src, dst = src[keep], dst[keep]
             out.append((src, dst))
@@ -217,11 +218,11 @@ class AdvantageExchange:
     def _check_coverage(self, policy: ModelEngine) -> None:
         seen = torch.zeros(self.num_tokens, dtype=torch.bool, device=HOST)
         seen[self.dst] = True
-        if self.dst.numel() != self.num_tokens or not bool(seen.all()):
+        if self.dst.numel() != self.num_tokens or not all_true(seen):
             raise RuntimeError(
                 f"the policy's rank {dist.get_rank()} (dp_rank {policy.dp_rank}) was sent "
                 f"{self.dst.numel()} advantages for its {self.num_tokens} response tokens "
-                f"({int(seen.sum())} distinct): each must come exactly once"
+                f"({count_true(seen)} distinct): each must come exactly once"
             )
 
     def send(self, critic_array: torch.Tensor) -> torch.Tensor:

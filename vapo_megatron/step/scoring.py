@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.algorithms.config import AlgoConfig
+from vapo_megatron.data.masks import all_true
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.batching import (
@@ -243,7 +244,7 @@ def score_flat(
     value = collectives.all_gather_varlen(value, world).to(HOST)
     seen = torch.zeros(total, dtype=torch.bool, device=HOST)
     seen[index] = True  # with index.numel() == total, all seen <=> each token exactly once
-    if index.numel() != total or not bool(seen.all()):
+    if index.numel() != total or not all_true(seen):
         raise RuntimeError(
             f"scoring pass covered {index.numel()} of {total} response tokens on rank "
             f"{dist.get_rank()} (layout {engine.layout}): every token must be scored once"

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.algorithms.config import AlgoConfig
+from vapo_megatron.data.masks import count_true
 from vapo_megatron.data.packing import MicroBatch, Sample
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
@@ -258,7 +259,7 @@ def _counting_sums(
     reassembled, at the last stage's first TP rank); checks that the scoring covered each of
     the step's ``total`` tokens."""
     counting = held if counts_here else torch.zeros_like(held)
-    num_counted = int(counting.sum())
+    num_counted = count_true(counting)
     sums = TokenSums(None if num_counted == counting.numel() else counting, host_group)
     covered = int(sums.total([torch.tensor(num_counted, dtype=torch.float64, device=HOST)])[0])
     if covered != total:

@@ -291,7 +291,7 @@ def train_on_micro_batches(
         mbs = [
             mb.with_fields([n for n in field_names if n != ROUTES or n in mb.fields]) for mb in mbs
         ]
-    positive = [mb.fields.get("positive", torch.zeros_like(mb.response_mask)) for mb in mbs]
+    positive = [mb.fields.get("positive") for mb in mbs]  # None: the critic's (no such field)
     # Counted on the host where packing left the masks; reduced and used on the model's device.
     norm = global_loss_normalisers(
         [mb.response_mask for mb in mbs], positive, num_samples,

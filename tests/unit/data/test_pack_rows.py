@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from vapo_megatron.data.packing import Sample, pack, packed_positions
+from vapo_megatron.data.packing import IDS, Sample, pack, packed_positions
 from vapo_megatron.parallel.context_parallel import split_packed_for_cp
 
 pytestmark = pytest.mark.unit
@@ -71,12 +71,13 @@ def test_pack_equals_token_by_token_reference(seed):
             mb = pack(samples, cp_size=cp, cp_rank=rank, pad_multiple=multiple, pad_each=each)
             assert torch.equal(mb.packed_seq_params.cu_seqlens_q_padded, cu_padded)
             shard = (cu_padded, cp, rank)
-            assert torch.equal(mb.tokens, cp_row(tokens, torch.long, *shard))
+            assert mb.tokens.dtype == mb.labels.dtype == IDS  # widened on the device only
+            assert torch.equal(mb.tokens, cp_row(tokens, IDS, *shard))
             assert mb.position_ids is None
             assert torch.equal(
                 packed_positions(mb, cp, rank), cp_row(positions, torch.long, *shard)
             )
-            assert torch.equal(mb.labels, cp_row(labels, torch.long, *shard))
+            assert torch.equal(mb.labels, cp_row(labels, IDS, *shard))
             assert torch.equal(mb.response_mask, cp_row(mask, torch.bool, *shard))
             for name, values in fields.items():
                 dtype = samples[0].fields[name].dtype

@@ -114,6 +114,29 @@ def test_micro_batch_to_moves_every_tensor(make):
     assert all(t.device.type == "meta" for t in tensors)
     assert moved.seq_length == mb.seq_length and moved.num_seqs == mb.num_seqs
     assert mb.tokens.device.type == "cpu"  # the host copy is left as it was
+    assert moved.tokens.dtype == moved.labels.dtype == torch.long  # what the model indexes with
+
+
+@pytest.mark.parametrize("make", [pack, pad])
+def test_micro_batch_ids_cross_as_int32(make, monkeypatch):
+    """Token ids and labels leave the host as int32 and are widened on the device: a
+    recorder of every ``Tensor.to`` a move makes sees no int64 row cross."""
+    mb = make(samples(), cp_size=1, cp_rank=0)
+    crossed, original = [], torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if out.device.type == "meta" and self.device.type == "cpu":
+            crossed.append((self.dtype, tuple(self.shape)))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    moved = mb.to(torch.device("meta"))
+    row = tuple(mb.tokens.shape)
+    assert [dtype for dtype, shape in crossed if shape == row].count(torch.int32) == 2
+    positions = 0 if make is pack else 1  # padded rows' positions (an expanded arange)
+    assert crossed.count((torch.long, row)) == positions
+    assert moved.tokens.dtype == moved.labels.dtype == torch.long
 
 
 def test_value_head_is_made_on_the_given_device():
