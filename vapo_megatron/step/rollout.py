@@ -148,26 +148,38 @@ def _grade(outputs, tokenizer, prompts: Sequence, share: range, routing, timeout
 
 def _local_buffers(outputs, results, prompts: Sequence, share: range) -> list[torch.Tensor]:
     """This rank's part of the gather: [R * len(META_FIELDS)] float64 metadata, int32 prompt
-    and response token ids, float32 rollout log-probs."""
+    and response token ids, float32 rollout log-probs. Each buffer is allocated once at its
+    size and each sample copied into it (the engine's ``array``s as views, no per-token
+    Python objects); a group's prompt is converted once for its ``n`` samples."""
     meta: list[tuple] = []
-    prompt_ids, response_ids, logprobs = array("i"), array("i"), array("f")
-    for o, result in zip(outputs, results, strict=True):
-        group = share[o.prompt_index]
-        prompt = prompts[group].token_ids
+    groups = [share[o.prompt_index] for o in outputs]
+    prompt_of = {g: _host_ids(prompts[g].token_ids, torch.int32) for g in set(groups)}
+    prompt_lengths = [prompt_of[g].numel() for g in groups]
+    response_lengths = [len(o.response_token_ids) for o in outputs]
+    prompt_ids = torch.empty(sum(prompt_lengths), dtype=torch.int32, device=HOST)
+    response_ids = torch.empty(sum(response_lengths), dtype=torch.int32, device=HOST)
+    logprobs = torch.empty(sum(response_lengths), dtype=torch.float32, device=HOST)
+    at_prompt = at_response = 0
+    for o, result, group, p, r in zip(
+        outputs, results, groups, prompt_lengths, response_lengths, strict=True
+    ):
+        if len(o.logprobs) != r:
+            raise RuntimeError(
+                f"the engine returned {len(o.logprobs)} log-probs for a response of {r} tokens"
+            )
         meta.append(
-            (group, prompts[group].record.index, len(prompt), len(o.response_token_ids),
-             o.finish_reason == "length", float(result.score), float(result.acc))
+            (group, prompts[group].record.index, p, r, o.finish_reason == "length",
+             float(result.score), float(result.acc))
         )  # fmt: skip
-        prompt_ids.extend(prompt)
-        response_ids.extend(o.response_token_ids)
-        logprobs.extend(o.logprobs)
-    buffers = [
-        torch.tensor(meta, dtype=torch.float64, device=HOST).reshape(-1),
-        _host_tensor(prompt_ids, torch.int32),
-        _host_tensor(response_ids, torch.int32),
-        _host_tensor(logprobs, torch.float32),
-    ]
-    return buffers
+        prompt_ids[at_prompt : at_prompt + p] = prompt_of[group]
+        if r:
+            response_ids[at_response : at_response + r] = _host_ids(
+                o.response_token_ids, torch.int32
+            )
+            logprobs[at_response : at_response + r] = _host_ids(o.logprobs, torch.float32)
+        at_prompt, at_response = at_prompt + p, at_response + r
+    meta_rows = torch.tensor(meta, dtype=torch.float64, device=HOST).reshape(-1)
+    return [meta_rows, prompt_ids, response_ids, logprobs]
 
 
 def _gather(
@@ -205,13 +217,12 @@ def _ids(tokens) -> list[int]:
     return tokens.tolist() if isinstance(tokens, array) else list(tokens)
 
 
-def _host_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
-    """A host tensor over ``values`` (no copy). vLLM hands out Python lists; gathering them
-    into an ``array`` and wrapping it is ~2x faster than ``torch.tensor`` on the lists.
-    ``torch.frombuffer`` makes host tensors only, which is where generation output belongs."""
-    if not values:
-        return torch.zeros(0, dtype=dtype, device=HOST)
-    return torch.frombuffer(values, dtype=dtype)
+def _host_ids(values, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D host tensor of ``values``: a view of an ``array`` of ``dtype``'s size (what the
+    engine hands: ``torch.frombuffer``, no copy), else a converted copy (lists, tuples)."""
+    if isinstance(values, array) and len(values) and values.itemsize == dtype.itemsize:
+        return torch.frombuffer(values, dtype=dtype)
+    return torch.tensor(list(values), dtype=dtype, device=HOST)
 
 
 def shape_rewards(trajectories: Trajectories, algo: AlgoConfig, max_new_tokens: int) -> None:
