@@ -84,7 +84,7 @@ def hf_logits(ctx: Context, numbers: dict) -> None:
             cu = mb.packed_seq_params.cu_seqlens_q_padded.tolist()
             lengths = mb.packed_seq_params.cu_seqlens_q.diff().tolist()
             for start, length in zip(cu[:-1], lengths, strict=True):
-                tokens = mb.tokens[0, start : start + length].to(ctx.device)
+                tokens = mb.tokens[0, start : start + length].to(ctx.device).long()
                 ref = ctx.hf_model(input_ids=tokens[None]).logits[0].float()
                 mine = megatron[start : start + length].to(ctx.device)
                 worst = max(worst, (ref - mine).abs().max().item())

@@ -83,10 +83,9 @@ class MicroBatch:
         Token ids and labels cross as int32 (``IDS``: half the bytes packing writes and PCIe
         carries) and are widened to int64 on ``device``, what megatron's embedding and the
         log-probs' gather index with. cu_seqlens go as int32 (what Transformer Engine's packed
-        attention takes). Copies are
-        ``non_blocking``; the host side is not pinned: a micro-batch of 16k tokens is ~1 MB
-        (tokens, labels, mask and a few fields), tens of microseconds over PCIe,
-        less than pinning it would cost.
+        attention takes). Copies are ``non_blocking``; the host side is not pinned: a
+        micro-batch of 16k tokens is well under 1 MB (tokens, labels, mask and a few fields),
+        tens of microseconds over PCIe, less than pinning it would cost.
         """
         non_blocking = device.type == "cuda"
 
