@@ -1,4 +1,4 @@
-"""How long torch takes to count a step-sized boolean mask on the host (``data/masks.py``).
+"""How long torch counts a step-sized boolean mask on the host (``algorithms/masks.py``).
 
     python tools/bench_masks.py
 

@@ -11,7 +11,7 @@ from vapo_megatron.algorithms.gae import (
     length_adaptive_lambda,
     packed_returns,
 )
-from vapo_megatron.data.masks import all_true
+from vapo_megatron.algorithms.masks import all_true
 
 
 def gae_lambdas(

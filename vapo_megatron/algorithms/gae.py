@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from vapo_megatron.data.masks import all_true
+from vapo_megatron.algorithms.masks import all_true
 
 CHUNK = 16
 SCAN_CHUNK = 64  # tokens per chunk of the packed (segmented) scan

@@ -43,7 +43,7 @@ def global_loss_normalisers(
 
     response_masks[i], positive_masks[i]: micro-batch i's masks (any shape, same per i; a
     positive mask None: no correct response in it, e.g. the critic's micro-batches). Counted
-    on the masks' device by ``count_nonzero`` (``data/masks.py``: a bool ``sum`` is ~20x
+    on the masks' device by ``count_nonzero`` (``algorithms/masks.py``: a bool ``sum`` is ~20x
     slower on the host, where the step counts thousands of micro-batches).
     num_seqs: sequences this rank's data-parallel replica trains on. Every context-parallel
     rank of a replica holds a shard of the same sequences, so the sum over the group counts

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from vapo_megatron.algorithms.advantages import decoupled_gae_packed, gae_lambdas
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.group_advantages import group_normalized_advantages
-from vapo_megatron.data.masks import any_true
+from vapo_megatron.algorithms.masks import any_true
 from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.parallel.cp_gae import gae_context_parallel_packed
 from vapo_megatron.parallel.devices import HOST

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.algorithms.config import AlgoConfig
-from vapo_megatron.data.masks import all_true, count_true
+from vapo_megatron.algorithms.masks import all_true, count_true
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.advantages import monte_carlo_config

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.algorithms.config import AlgoConfig
-from vapo_megatron.data.masks import count_true
+from vapo_megatron.algorithms.masks import count_true
 from vapo_megatron.data.packing import MicroBatch, Sample
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST

@@ -1,9 +1,9 @@
-"""data/masks.py: the same answers as torch's sum, all and any, on every kind of mask."""
+"""algorithms/masks.py: the same answers as torch's sum, all and any, on every kind of mask."""
 
 import pytest
 import torch
 
-from vapo_megatron.data.masks import all_true, any_true, count_true
+from vapo_megatron.algorithms.masks import all_true, any_true, count_true
 
 MASKS = {
     "empty": torch.zeros(0, dtype=torch.bool),
