@@ -217,10 +217,16 @@ def _ids(tokens) -> list[int]:
     return tokens.tolist() if isinstance(tokens, array) else list(tokens)
 
 
+_TYPECODES = {torch.int32: "i", torch.float32: "f"}
+"""The ``array`` type of each dtype the engine hands (``RolloutSample``)."""
+
+
 def _host_ids(values, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D host tensor of ``values``: a view of an ``array`` of ``dtype``'s size (what the
-    engine hands: ``torch.frombuffer``, no copy), else a converted copy (lists, tuples)."""
-    if isinstance(values, array) and len(values) and values.itemsize == dtype.itemsize:
+    """A 1-D host tensor of ``values``: a view of an ``array`` of ``dtype``'s own type (what
+    the engine hands: ``torch.frombuffer``, no copy), else a converted copy (lists, tuples,
+    arrays of another type)."""
+    same = isinstance(values, array) and values.typecode == _TYPECODES.get(dtype)
+    if same and len(values) and values.itemsize == dtype.itemsize:
         return torch.frombuffer(values, dtype=dtype)
     return torch.tensor(list(values), dtype=dtype, device=HOST)
 
