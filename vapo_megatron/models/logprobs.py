@@ -63,9 +63,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         _all_reduce(z_max, dist.ReduceOp.MAX, group)
         local_label = flat_labels - vocab_start  # [N]
         in_slice = (local_label >= 0) & (local_label < vocab_local)
-        label_index = (
-            local_label.clamp(0, vocab_local - 1).long().unsqueeze(-1)
-        )  # [N, 1] (gather's)
+        # [N, 1] int64 (labels may come as int32, packing.IDS; torch 2.13's gather takes
+        # either, and int64 is what every version takes)
+        label_index = local_label.clamp(0, vocab_local - 1).long().unsqueeze(-1)
         sums = torch.empty(num_tokens, 3, dtype=dtype, device=logits.device)  # [N, 3]
         for s, e in chunks:
             shifted = _scaled(flat_logits[s:e], real, temperature, dtype) - z_max[s:e, None]

@@ -27,6 +27,13 @@ def test_matches_log_softmax_and_gradients(temperature):
     want = torch.autograd.grad((ref_logp * weights[0] + ref_ent * weights[1]).sum(), logits)[0]
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     assert torch.all(got[..., 33:] == 0)  # padded vocabulary gets no gradient
+    # int32 labels (packing's host dtype) give the same log-probs and gradients
+    logp32, ent32 = vocab_parallel_logprobs(
+        logits, labels.int(), tp_group=None, vocab_size=33, temperature=temperature
+    )
+    assert torch.equal(logp32, logp) and torch.equal(ent32, ent)
+    got32 = torch.autograd.grad((logp32 * weights[0] + ent32 * weights[1]).sum(), logits)[0]
+    assert torch.equal(got32, got)
 
 
 def test_gradcheck_and_fp32_input():
