@@ -8,20 +8,10 @@ five; each row also as a ratio to ``count_nonzero`` measured in the same run.
 
 from __future__ import annotations
 
-import time
-
 import torch
+from bench_gae import best_of
 
 TOKENS = 10_800_000
-
-
-def best_ms(fn, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
 
 
 def main() -> None:
@@ -37,7 +27,7 @@ def main() -> None:
         "count_nonzero(expanded)": lambda: int(torch.count_nonzero(expanded)),
         "expanded.all()": lambda: bool(expanded.all()),
     }
-    times = {name: best_ms(fn) for name, fn in rows.items()}
+    times = {name: best_of(fn, (), repeats=5) * 1e3 for name, fn in rows.items()}
     reference = times["count_nonzero(mask)"]
     print(f"{'':<26} {'ms':>8} {'x count_nonzero':>16}")
     for name, ms in times.items():

@@ -59,21 +59,18 @@ def global_loss_normalisers(
             "global_loss_normalisers needs at least one micro-batch; give a rank without data "
             "one empty mask"
         )
-    where = response_masks[0].device  # counted there, with no sync: one copy to ``device``
-    positives = [
-        torch.count_nonzero(mask.bool() & positive.bool())
-        for mask, positive in zip(response_masks, positive_masks, strict=True)
-        if positive is not None
-    ]
-    counts = torch.stack(
-        [
-            torch.stack([torch.count_nonzero(mask) for mask in response_masks]).sum(),
-            torch.tensor(num_seqs, dtype=torch.long, device=where),
-            torch.stack(positives).sum()
-            if positives
-            else torch.zeros((), dtype=torch.long, device=where),
-        ]
-    ).to(device, torch.float64)
+    # Counted where the masks are, with no sync; one copy to ``device``.
+    zero = torch.zeros((), dtype=torch.long, device=response_masks[0].device)
+    num_tokens = sum((torch.count_nonzero(mask) for mask in response_masks), zero)
+    num_positive = sum(
+        (
+            torch.count_nonzero(mask.bool() & positive.bool())
+            for mask, positive in zip(response_masks, positive_masks, strict=True)
+            if positive is not None
+        ),
+        zero,
+    )
+    counts = torch.stack([num_tokens, zero + num_seqs, num_positive]).to(device, torch.float64)
     if dp_cp_group is not None:
         collectives.all_reduce(counts, dp_cp_group)
     counts[1] /= cp_size
