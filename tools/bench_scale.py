@@ -23,6 +23,7 @@ growth times 8,192 / samples.
 
 from __future__ import annotations
 
+import cProfile
 import json
 import os
 import resource
@@ -207,7 +208,10 @@ def worker(samples: int, steps: int, mixed: bool) -> None:
 
     from vapo_megatron.parallel.collectives import make_host_group
     from vapo_megatron.step import rollout, run
+    from vapo_megatron.trainer.host_malloc import keep_freed_heap
 
+    if os.environ.get("BENCH_SCALE_MALLOC") != "default":  # as the trainer's ranks run
+        keep_freed_heap()
     sys.path.insert(0, str(REPO / "tools"))  # bench_gae, for the response lengths
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -218,15 +222,23 @@ def worker(samples: int, steps: int, mixed: bool) -> None:
     rollout.score_responses = stub_grade  # the grader is not the data path
     run.sync_weights = lambda session: {}  # nor is the weight stream (tools/bench.py sync)
     spent = time_the_exchange()
+    profile = os.environ.get("BENCH_SCALE_PROFILE")  # a path prefix: pstats of the last step
     dist.barrier(host)
     base_gb = rss_gb()
     rows = []
     for k in range(steps):
         spent.update(route=0.0, routed_tokens=0.0)
-        cpu = time.process_time()
-        metrics = run.run_step(session, k, pretrain=False)
+        cpu, usage = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+        if profile and k == steps - 1:  # the last step, on a CPU-time clock
+            profiler = cProfile.Profile(time.process_time)
+            metrics = profiler.runcall(run.run_step, session, k, pretrain=False)
+            profiler.dump_stats(f"{profile}.{dist.get_rank()}")
+        else:
+            metrics = run.run_step(session, k, pretrain=False)
         cpu = time.process_time() - cpu - metrics.get("time/megatron", 0.0)
-        rows.append({**step_row(metrics), **spent, "cpu_s": cpu})
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        faults, sys_s = after.ru_minflt - usage.ru_minflt, after.ru_stime - usage.ru_stime
+        rows.append({**step_row(metrics), **spent, "cpu_s": cpu, "faults": faults, "sys_s": sys_s})
     result = {
         "rank": dist.get_rank(), "samples": int(metrics["num_samples"]),
         "response_tokens": int(metrics["response_length/mean"] * metrics["num_samples"]),
@@ -287,6 +299,11 @@ def run(quick: bool = False, samples: int | None = None, mixed: bool = False) ->
     cpu = [[r["steps"][k]["cpu_s"] for k in range(1, STEPS)] for r in results]
     print("CPU s per step and rank (the stubbed generation included; steps 2-"
           f"{STEPS}): " + "; ".join(" ".join(f"{c:.2f}" for c in row) for row in cpu))  # fmt: skip
+    faults = [[r["steps"][k]["faults"] / 1000 for k in range(1, STEPS)] for r in results]
+    sys_s = [[r["steps"][k]["sys_s"] for k in range(1, STEPS)] for r in results]
+    print("of which system (the kernel, mostly zeroing fresh pages) and thousands of page "
+          "faults: " + "; ".join(" ".join(f"{c:.2f}" for c in row) for row in sys_s)
+          + " s; " + "; ".join(" ".join(f"{c:.0f}k" for c in row) for row in faults))  # fmt: skip
     print(f"routed advantages: {routed:,.0f} tokens to another rank, {route_s:.2f} s (in the "
           "phases above)")  # fmt: skip
     print(f"extrapolated to {STEP_SAMPLES} samples (x{scale:g}): {seconds:.1f} s per step, "

@@ -67,9 +67,11 @@ def main(argv: list[str] | None = None) -> int:
                 config.trainer.local_world_size, logs,
             )  # fmt: skip
             return relaunch_as_local_ranks(config.trainer.local_world_size, log_dir=logs)
+        from vapo_megatron.trainer.host_malloc import keep_freed_heap
         from vapo_megatron.trainer.loop import train
 
         open_rank_log(Path(config.trainer.run_dir) / "logs")
+        keep_freed_heap()  # the step's freed host memory reused, not faulted in again
         train(config)
     except ValueError as err:
         logging.error("%s", err)
