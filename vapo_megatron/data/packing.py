@@ -176,6 +176,13 @@ def _aligned(sample: Sample) -> tuple[torch.Tensor, ...]:
     return tokens, labels, mask, fields
 
 
+def _ids(ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """Token ids as an ``IDS`` tensor: a tensor of that dtype as it is (a view), else converted."""
+    if isinstance(ids, torch.Tensor):
+        return ids if ids.dtype == IDS else ids.to(IDS)
+    return torch.tensor(ids, dtype=IDS, device=HOST)
+
+
 def _padded_widths(
     lengths: Sequence[int], cp_size: int, pad_multiple: int, pad_each: bool
 ) -> list[int]:
@@ -214,25 +221,28 @@ def pack(
     padded = _padded_widths(lengths, cp_size, pad_multiple, pad_each)
     total = sum(padded)
 
-    # Each sample's ids and fields are copied once, straight into the row: the step packs
-    # thousands of micro-batches on the host. The id rows (8 of a token's 9 bytes without
-    # fields) are not zero-filled first: only the padding after each sequence is zeroed.
+    # The id row is written by one ``torch.cat`` of the samples' own tensors (views of the
+    # step's buffers) and the padding, not by a slice assignment a piece: ~0.3 us a piece
+    # inside one call against ~3.7 us a call, and the step packs thousands of micro-batches.
+    # Each field is written a sample at a time into zeros (one cat a field, with the zero
+    # pieces between responses, measured no faster).
     tokens = torch.empty(total, dtype=IDS, device=HOST)
+    pieces: list[torch.Tensor] = []
     mask = torch.zeros(total, dtype=torch.bool, device=HOST)
     fields = {n: torch.zeros(total, dtype=samples[0].fields[n].dtype, device=HOST) for n in names}
     ends = []  # (first position after the sequence's last real token, end of its padding)
     start = 0
     for sample, p, r, width in zip(samples, n_prompt, n_resp, padded, strict=True):
-        tokens[start : start + p] = torch.as_tensor(sample.prompt, device=HOST)
-        tokens[start + p : start + p + r] = torch.as_tensor(sample.response, device=HOST)
+        pieces += (_ids(sample.prompt), _ids(sample.response))
         if width > p + r:
-            tokens[start + p + r : start + width] = 0
+            pieces.append(torch.zeros(width - p - r, dtype=IDS, device=HOST))
         response = slice(start + p - 1, start + p - 1 + r)  # label-aligned
         mask[response] = True
         for name in names:
             fields[name][response] = sample.fields[name]
         ends.append((start + p + r - 1, start + width))
         start += width
+    torch.cat(pieces, out=tokens)
     labels = torch.empty(total, dtype=IDS, device=HOST)
     labels[:-1] = tokens[1:]
     for last, end in ends:  # a sequence's last position predicts nothing; padding neither
