@@ -18,7 +18,11 @@ each step; the best of steps 2-4 is reported (the first pays one-time costs, the
 others is the shared machine's noise, printed too). The bench runs SAMPLES per step (default
 2,048: a quarter of the 32B step) and extrapolates linearly to 8,192 samples; peak host memory
 per rank (ru_maxrss, over all steps) is extrapolated as the baseline after start-up plus the
-growth times 8,192 / samples.
+growth times 8,192 / samples. Each rank also reports its CPU and system seconds and page faults
+per step. The workers set glibc's malloc as the trainer's ranks do (``trainer/host_malloc.py``;
+``BENCH_SCALE_MALLOC=default`` keeps glibc's defaults, for an A/B);
+``BENCH_SCALE_PROFILE=PREFIX`` writes a cProfile of each rank's last step (CPU clock) to
+``PREFIX.RANK``.
 """
 
 from __future__ import annotations
