@@ -13,6 +13,9 @@ finished when its summary.json exists) and writes:
   minus the return there (``first_token_bias``, from the step's ``critic/value_first_token``
   and ``critic/return_first_token``) over the first and last fifth of the steps,
   the mean response length over the steps, the clip fractions, and the held-out curve;
+  ``late``: per seed the mean of the evaluations in the last half of the steps (less noisy
+  than one evaluation), and ``paired``: each row's late mean minus VAPO's, seed by seed, with
+  its 95% interval (a row separates from VAPO beyond noise when the interval leaves out 0);
 - the markdown table, with the paper's AIME 2024 column beside it (OUT/report.md; the JSON
   also goes to OUT/report.json);
 - a PNG of the held-out curves, one panel per row, one line per seed.
@@ -52,6 +55,11 @@ DIAGNOSTIC_KEYS = {
     "return_first_token": "critic/return_first_token",
 }
 """Diagnostic name -> the trainer's metric (train phase)."""
+REFERENCE = "vapo"
+"""The row the others are compared with, seed by seed (``paired``)."""
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228}  # fmt: skip
+"""Student's t, two-sided 95%, by degrees of freedom (the paired differences' seeds - 1)."""
 
 
 def eval_rate(row: dict) -> float:
@@ -83,9 +91,11 @@ def seed_result(run_dir: Path) -> dict:
         if _finite(row.get("critic/value_first_token"))
         and _finite(row.get("critic/return_first_token"))
     }
+    late = [rate for step, rate in evals.items() if 2 * step > steps] if summary else []
     return {
         "curve": evals,
         "start": evals.get(0),
+        "late": statistics.mean(late) if late else None,
         "final": evals.get(steps) if summary else None,
         "steps": steps,
         "critic_pretrain_steps": max(metrics.get("critic_pretrain", {}), default=0),
@@ -98,6 +108,7 @@ def row_report(preset: str, seeds: dict[int, dict]) -> dict:
     """A row of docs/ablation.json from its seeds' ``seed_result``s (finished ones counted)."""
     done = {s: r for s, r in sorted(seeds.items()) if r["final"] is not None}
     finals = [100 * r["final"] for r in done.values()]
+    late = [100 * r["late"] for r in done.values() if r["late"] is not None]
     starts = [100 * r["start"] for r in done.values() if r["start"] is not None]
     return {
         "preset": preset,
@@ -105,6 +116,11 @@ def row_report(preset: str, seeds: dict[int, dict]) -> dict:
         "finals": [round(x, 2) for x in finals],
         "mean": round(statistics.mean(finals), 2) if finals else None,
         "sd": round(statistics.stdev(finals), 2) if len(finals) > 1 else None,
+        "late": {
+            "finals": [round(x, 2) for x in late],
+            "mean": round(statistics.mean(late), 2) if late else None,
+            "sd": round(statistics.stdev(late), 2) if len(late) > 1 else None,
+        },
         "start": round(statistics.mean(starts), 2) if starts else None,
         "steps": max((r["steps"] for r in done.values()), default=0),
         "critic_pretrain_steps": max((r["critic_pretrain_steps"] for r in done.values()), default=0),
@@ -115,6 +131,32 @@ def row_report(preset: str, seeds: dict[int, dict]) -> dict:
         "curves": {str(s): {str(k): round(100 * v, 2) for k, v in sorted(r["curve"].items())}
                    for s, r in done.items()},
     }  # fmt: skip
+
+
+def paired(rows: dict, reference: str = REFERENCE) -> None:
+    """Adds to each row ``paired``: its late mean minus the reference row's, seed by seed over
+    the seeds both finished (the same start and evaluation prompts, and the same sampling
+    seeds at each evaluation, so what the two share cancels), as mean, sample sd, seeds and
+    the 95% interval of the mean (Student's t). A row separates from the reference beyond
+    noise when the interval leaves out 0. Nothing is added without the reference row or
+    without two common seeds."""
+    ref = rows.get(reference)
+    if ref is None:
+        return
+    ref_late = dict(zip(ref["seeds"], ref["late"]["finals"], strict=True))
+    for name, row in rows.items():
+        if name == reference or len(row["late"]["finals"]) != len(row["seeds"]):
+            continue
+        diffs = [x - ref_late[s] for s, x in zip(row["seeds"], row["late"]["finals"], strict=True)
+                 if s in ref_late]  # fmt: skip
+        if len(diffs) < 2:
+            continue
+        mean, sd = statistics.mean(diffs), statistics.stdev(diffs)
+        half = T_975.get(len(diffs) - 1, 1.96) * sd / math.sqrt(len(diffs))
+        row["paired"] = {
+            "reference": reference, "seeds": len(diffs), "mean": round(mean, 2),
+            "sd": round(sd, 2), "ci95": [round(mean - half, 2), round(mean + half, 2)],
+        }  # fmt: skip
 
 
 def diagnostics(runs: list[dict]) -> dict:
@@ -145,6 +187,7 @@ def report(out_dir: Path, labels: dict[str, str]) -> dict:
                  for p in sorted((out_dir / name).glob("seed_*"))}  # fmt: skip
         if seeds:
             rows[name] = {"row": labels.get(name, name), **row_report(name, seeds)}
+    paired(rows)
     return rows
 
 
@@ -170,6 +213,29 @@ def table(rows: dict) -> str:
             f"{_span(diag, 'response_length', 0)} | "
             f"{_span(diag, 'clip_frac_high', 3)} | {_num(row['paper_aime24'], 0)} |"
         )
+    return "\n".join(lines)
+
+
+def late_table(rows: dict) -> str:
+    """Markdown: per row the mean held-out pass rate over the evaluations in the last half of
+    the steps (per seed; mean ± sd over seeds), and its paired difference from the reference
+    row (mean ± sd over seeds, 95% interval)."""
+    lines = [
+        "| run | late held-out (points) | per seed | minus VAPO, paired | 95% interval |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows.values():
+        late = row["late"]
+        if late["mean"] is None:
+            continue
+        sd = f" ± {late['sd']:.1f}" if late["sd"] is not None else ""
+        seeds = ", ".join(f"{x:.1f}" for x in late["finals"])
+        diff = interval = "-"
+        if "paired" in row:
+            p = row["paired"]
+            diff = f"{p['mean']:+.1f} ± {p['sd']:.1f}"
+            interval = f"{p['ci95'][0]:+.1f} to {p['ci95'][1]:+.1f}"
+        lines.append(f"| {row['row']} | {late['mean']:.1f}{sd} | {seeds} | {diff} | {interval} |")
     return "\n".join(lines)
 
 
@@ -206,7 +272,7 @@ def write_report(out_dir: Path, labels: dict[str, str], *, json_path: Path | Non
     """Writes OUT/report.md and OUT/report.json (and ``json_path``, ``png_path`` when given);
     returns the rows."""
     rows = report(out_dir, labels)
-    text = table(rows)
+    text = table(rows) + "\n\n" + late_table(rows)
     document = {**(meta or {}), "rows": rows}
     (out_dir / "report.md").write_text(text + "\n")
     (out_dir / "report.json").write_text(json.dumps(document, indent=1) + "\n")
@@ -241,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     from ablate import ROWS
 
     rows = write_report(args.out_dir, dict(ROWS), json_path=args.json, png_path=args.png)
-    print(table(rows))
+    print(table(rows) + "\n\n" + late_table(rows))
     return 0
 
 

@@ -12,7 +12,7 @@ import pytest
 from tests.launcher import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
-from ablate_report import report, table, write_report  # noqa: E402  (tools/ is not a package)
+from ablate_report import late_table, report, table, write_report  # noqa: E402  (tools/ is not a package)
 
 pytestmark = pytest.mark.unit
 
@@ -97,3 +97,37 @@ def test_write_report_files(tmp_path):
     assert json.loads((out / "report.json").read_text()) == document
     assert (out / "report.md").read_text().startswith("| run |")
     assert png_path.stat().st_size > 1000
+
+
+def test_late_means_and_paired_differences(tmp_path):
+    """The late mean averages the evaluations past half the steps; each row is compared with
+    VAPO seed by seed over the seeds both finished, with Student's t interval."""
+    out = tmp_path / "sweep"
+    curves = {
+        ("vapo", 1): {0: 0.3, 4: 0.9, 6: 0.4, 8: 0.5, 10: 0.6},  # late: 50 (step 4 is not late)
+        ("vapo", 2): {0: 0.3, 6: 0.3, 8: 0.3, 10: 0.3},  # 30
+        ("vapo", 3): {0: 0.3, 10: 0.2},  # 20; no ppo seed 3 to pair it with
+        ("ppo", 1): {0: 0.3, 6: 0.5, 8: 0.6, 10: 0.7},  # 60: +10
+        ("ppo", 2): {0: 0.3, 6: 0.36, 8: 0.36, 10: 0.36},  # 36: +6
+        ("grpo", 1): {0: 0.3, 10: 0.5},  # one common seed: no interval
+    }
+    for (row, seed), evals in curves.items():
+        fake_run(out / row / f"seed_{seed}", evals=evals, steps=10)
+    fake_run(out / "ppo" / "seed_4", evals={0: 0.3}, steps=3, finished=False)
+    rows = report(out, {"vapo": "VAPO", "ppo": "Vanilla PPO", "grpo": "GRPO"})
+
+    assert rows["vapo"]["late"]["finals"] == [50.0, 30.0, 20.0]
+    assert rows["vapo"]["late"]["mean"] == pytest.approx(100 / 3, abs=0.01)
+    assert "paired" not in rows["vapo"] and "paired" not in rows["grpo"]
+    ppo = rows["ppo"]
+    assert ppo["late"]["finals"] == [60.0, 36.0]
+    half = 12.706 * statistics.stdev([10.0, 6.0]) / 2**0.5
+    assert ppo["paired"] == {
+        "reference": "vapo", "seeds": 2, "mean": 8.0,
+        "sd": pytest.approx(statistics.stdev([10.0, 6.0]), abs=0.01),
+        "ci95": [pytest.approx(8.0 - half, abs=0.01), pytest.approx(8.0 + half, abs=0.01)],
+    }  # fmt: skip
+    text = late_table(rows)
+    assert "| VAPO | 33.3 ± 15.3 | 50.0, 30.0, 20.0 | - | - |" in text
+    assert "| Vanilla PPO | 48.0 ± 17.0 | 60.0, 36.0 | +8.0 ± 2.8 | -17.4 to +33.4 |" in text
+    assert "| GRPO | 50.0 | 50.0 | - | - |" in text
