@@ -28,8 +28,11 @@ def system_tmp(tmp_path, monkeypatch):
     return root
 
 
-def rank_says(text: str, code: int = 0) -> list[str]:
-    script = f"import os, sys; print({text!r}, os.environ['RANK']); sys.exit({code})"
+def rank_says(text: str, code: int = 0, failing_rank: int | None = None) -> list[str]:
+    """Every rank prints ``text`` and its rank; it exits with ``code`` (only ``failing_rank``
+    does, when given; the others exit 0)."""
+    exit_code = code if failing_rank is None else f"{code} if r == '{failing_rank}' else 0"
+    script = f"import os, sys; r = os.environ['RANK']; print({text!r}, r); sys.exit({exit_code})"
     return [sys.executable, "-c", script]
 
 
@@ -40,9 +43,12 @@ def test_a_launch_without_log_dir_leaves_nothing_behind(system_tmp):
 
 
 def test_a_failed_launch_leaves_nothing_behind_and_reports_the_logs(system_tmp):
+    # Only rank 1 fails, so it always runs to its end and prints: had both failed, the first
+    # to exit would stop the group and the other could be killed before printing (a machine
+    # under load did that once).
     with pytest.raises(LaunchError, match="a rank failed(.|\n)*broken 1") as caught:
-        run_local_ranks(rank_says("broken", code=3), 2, timeout=60)
-    assert 3 in caught.value.returncodes
+        run_local_ranks(rank_says("broken", code=3, failing_rank=1), 2, timeout=60)
+    assert caught.value.returncodes[1] == 3
     assert list(system_tmp.iterdir()) == []
 
 
