@@ -15,7 +15,9 @@ finished when its summary.json exists) and writes:
   the mean response length over the steps, the clip fractions, and the held-out curve;
   ``late``: per seed the mean of the evaluations in the last half of the steps (less noisy
   than one evaluation), and ``paired``: each row's late mean minus VAPO's, seed by seed, with
-  its 95% interval (a row separates from VAPO beyond noise when the interval leaves out 0);
+  its 95% interval (a row separates from VAPO beyond noise when the interval leaves out 0),
+  and the late evaluations' least-squares slope (points per 10 steps; mean over seeds with
+  its interval: a curve still rising beyond noise leaves out 0);
 - the markdown table, with the paper's AIME 2024 column beside it (OUT/report.md; the JSON
   also goes to OUT/report.json);
 - a PNG of the held-out curves, one panel per row, one line per seed.
@@ -91,11 +93,12 @@ def seed_result(run_dir: Path) -> dict:
         if _finite(row.get("critic/value_first_token"))
         and _finite(row.get("critic/return_first_token"))
     }
-    late = [rate for step, rate in evals.items() if 2 * step > steps] if summary else []
+    late = {step: rate for step, rate in evals.items() if 2 * step > steps} if summary else {}
     return {
         "curve": evals,
         "start": evals.get(0),
-        "late": statistics.mean(late) if late else None,
+        "late": statistics.mean(late.values()) if late else None,
+        "late_slope": _slope(late) if len(late) > 1 else None,
         "final": evals.get(steps) if summary else None,
         "steps": steps,
         "critic_pretrain_steps": max(metrics.get("critic_pretrain", {}), default=0),
@@ -109,6 +112,7 @@ def row_report(preset: str, seeds: dict[int, dict]) -> dict:
     done = {s: r for s, r in sorted(seeds.items()) if r["final"] is not None}
     finals = [100 * r["final"] for r in done.values()]
     late = [100 * r["late"] for r in done.values() if r["late"] is not None]
+    slopes = [1000 * r["late_slope"] for r in done.values() if r["late_slope"] is not None]
     starts = [100 * r["start"] for r in done.values() if r["start"] is not None]
     return {
         "preset": preset,
@@ -120,6 +124,7 @@ def row_report(preset: str, seeds: dict[int, dict]) -> dict:
             "finals": [round(x, 2) for x in late],
             "mean": round(statistics.mean(late), 2) if late else None,
             "sd": round(statistics.stdev(late), 2) if len(late) > 1 else None,
+            "slope": _mean_interval(slopes),
         },
         "start": round(statistics.mean(starts), 2) if starts else None,
         "steps": max((r["steps"] for r in done.values()), default=0),
@@ -151,12 +156,52 @@ def paired(rows: dict, reference: str = REFERENCE) -> None:
                  if s in ref_late]  # fmt: skip
         if len(diffs) < 2:
             continue
-        mean, sd = statistics.mean(diffs), statistics.stdev(diffs)
-        half = T_975.get(len(diffs) - 1, 1.96) * sd / math.sqrt(len(diffs))
-        row["paired"] = {
-            "reference": reference, "seeds": len(diffs), "mean": round(mean, 2),
-            "sd": round(sd, 2), "ci95": [round(mean - half, 2), round(mean + half, 2)],
-        }  # fmt: skip
+        row["paired"] = {"reference": reference, **_mean_interval(diffs)}
+
+
+def shared_movement(rows: dict) -> dict | None:
+    """How much of the evaluations' movement about each run's own trend all rows share. Each
+    run's curve (steps > 0) less its least-squares line; at each (seed, step) the rows' mean
+    of those residuals is the shared part. Returns the shared part's share of the residuals'
+    variance (``fraction``), the rows, and the share expected were the rows' residuals
+    independent (1 / rows). The same seed evaluates every row on the same prompts with the
+    same sampling seeds, so a share well above 1 / rows says the ups and downs of the curves
+    are the evaluation's sampling, common to policies that barely differ, not learning."""
+    runs = [(seed, {int(k): v for k, v in curve.items() if int(k) > 0})
+            for row in rows.values() for seed, curve in row["curves"].items()]  # fmt: skip
+    deviations = {}  # (seed, step) -> each row's residual from its run's line
+    for seed, curve in runs:
+        if len(curve) < 3:  # a line through two points leaves no residual
+            continue
+        slope = _slope(curve)
+        mx, my = statistics.mean(curve), statistics.mean(curve.values())
+        for step, value in curve.items():
+            deviations.setdefault((seed, step), []).append(value - my - slope * (step - mx))
+    cells = [d for d in deviations.values() if len(d) > 1]
+    total = sum(x * x for d in cells for x in d)
+    if not cells or total == 0:
+        return None
+    shared = sum(len(d) * statistics.mean(d) ** 2 for d in cells)
+    counted = sum(1 for row in rows.values() if row["curves"])
+    return {"fraction": round(shared / total, 3), "rows": counted,
+            "independent": round(1 / counted, 3)}  # fmt: skip
+
+
+def _mean_interval(values: list[float]) -> dict | None:
+    """Mean, sample sd, count and the mean's 95% interval (Student's t); None under 2 values."""
+    if len(values) < 2:
+        return None
+    mean, sd = statistics.mean(values), statistics.stdev(values)
+    half = T_975.get(len(values) - 1, 1.96) * sd / math.sqrt(len(values))
+    return {"seeds": len(values), "mean": round(mean, 2), "sd": round(sd, 2),
+            "ci95": [round(mean - half, 2), round(mean + half, 2)]}  # fmt: skip
+
+
+def _slope(points: dict[int, float]) -> float:
+    """Least-squares slope of rate over step."""
+    mx, my = statistics.mean(points), statistics.mean(points.values())
+    sxx = sum((x - mx) ** 2 for x in points)
+    return sum((x - mx) * (y - my) for x, y in points.items()) / sxx
 
 
 def diagnostics(runs: list[dict]) -> dict:
@@ -221,8 +266,9 @@ def late_table(rows: dict) -> str:
     the steps (per seed; mean ± sd over seeds), and its paired difference from the reference
     row (mean ± sd over seeds, 95% interval)."""
     lines = [
-        "| run | late held-out (points) | per seed | minus VAPO, paired | 95% interval |",
-        "|---|---|---|---|---|",
+        "| run | late held-out (points) | per seed | minus VAPO, paired | 95% interval "
+        "| late slope (points / 10 steps) | 95% interval |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows.values():
         late = row["late"]
@@ -230,12 +276,14 @@ def late_table(rows: dict) -> str:
             continue
         sd = f" ± {late['sd']:.1f}" if late["sd"] is not None else ""
         seeds = ", ".join(f"{x:.1f}" for x in late["finals"])
-        diff = interval = "-"
-        if "paired" in row:
-            p = row["paired"]
-            diff = f"{p['mean']:+.1f} ± {p['sd']:.1f}"
-            interval = f"{p['ci95'][0]:+.1f} to {p['ci95'][1]:+.1f}"
-        lines.append(f"| {row['row']} | {late['mean']:.1f}{sd} | {seeds} | {diff} | {interval} |")
+        cells = [f"{late['mean']:.1f}{sd}", seeds]
+        for stat in (row.get("paired"), late["slope"]):
+            if stat is None:
+                cells += ["-", "-"]
+            else:
+                cells += [f"{stat['mean']:+.1f} ± {stat['sd']:.1f}",
+                          f"{stat['ci95'][0]:+.1f} to {stat['ci95'][1]:+.1f}"]  # fmt: skip
+        lines.append(f"| {row['row']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -273,7 +321,7 @@ def write_report(out_dir: Path, labels: dict[str, str], *, json_path: Path | Non
     returns the rows."""
     rows = report(out_dir, labels)
     text = table(rows) + "\n\n" + late_table(rows)
-    document = {**(meta or {}), "rows": rows}
+    document = {**(meta or {}), "evaluation_movement_shared": shared_movement(rows), "rows": rows}
     (out_dir / "report.md").write_text(text + "\n")
     (out_dir / "report.json").write_text(json.dumps(document, indent=1) + "\n")
     if json_path is not None:
@@ -308,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = write_report(args.out_dir, dict(ROWS), json_path=args.json, png_path=args.png)
     print(table(rows) + "\n\n" + late_table(rows))
+    shared = shared_movement(rows)
+    if shared is not None:
+        print(f"\nthe evaluations' movement about each run's trend shared by all {shared['rows']} "
+              f"rows: {shared['fraction']:.0%} of its variance ({shared['independent']:.0%} if "
+              "independent)")  # fmt: skip
     return 0
 
 

@@ -12,7 +12,13 @@ import pytest
 from tests.launcher import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
-from ablate_report import late_table, report, table, write_report  # noqa: E402  (tools/ is not a package)
+from ablate_report import (  # noqa: E402  (tools/ is not a package)
+    late_table,
+    report,
+    shared_movement,
+    table,
+    write_report,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -127,7 +133,38 @@ def test_late_means_and_paired_differences(tmp_path):
         "sd": pytest.approx(statistics.stdev([10.0, 6.0]), abs=0.01),
         "ci95": [pytest.approx(8.0 - half, abs=0.01), pytest.approx(8.0 + half, abs=0.01)],
     }  # fmt: skip
+    # Late slopes, points per 10 steps: seed 1 rises 5 points a step of 2 (50), seed 2 is
+    # flat (0), seed 3 has one late evaluation (none).
+    slope = rows["vapo"]["late"]["slope"]
+    assert (slope["seeds"], slope["mean"]) == (2, pytest.approx(25.0))
+    assert slope["ci95"][0] < 0 < slope["ci95"][1]
+    assert rows["grpo"]["late"]["slope"] is None
     text = late_table(rows)
-    assert "| VAPO | 33.3 ± 15.3 | 50.0, 30.0, 20.0 | - | - |" in text
-    assert "| Vanilla PPO | 48.0 ± 17.0 | 60.0, 36.0 | +8.0 ± 2.8 | -17.4 to +33.4 |" in text
-    assert "| GRPO | 50.0 | 50.0 | - | - |" in text
+    assert (
+        "| VAPO | 33.3 ± 15.3 | 50.0, 30.0, 20.0 | - | - | +25.0 ± 35.4 | -292.6 to +342.6 |"
+        in text
+    )
+    assert (
+        "| Vanilla PPO | 48.0 ± 17.0 | 60.0, 36.0 | +8.0 ± 2.8 | -17.4 to +33.4 | +25.0 ± 35.4 |"
+        in text
+    )
+    assert "| GRPO | 50.0 | 50.0 | - | - | - | - |" in text
+
+
+@pytest.mark.parametrize(
+    "second, fraction",
+    [
+        ({0: 5.0, 1: 20.0, 2: 24.0, 3: 20.0, 4: 24.0}, 1.0),  # the same ups and downs
+        ({0: 5.0, 1: 24.0, 2: 20.0, 3: 24.0, 4: 20.0}, 0.0),  # opposite ones
+    ],
+)
+def test_shared_movement_of_the_evaluations(second, fraction):
+    """Residuals about each run's own line, shared across rows at each (seed, step); the
+    start (step 0) and runs of fewer than 3 evaluations are left out."""
+    first = {"0": 99.0, "1": 10.0, "2": 14.0, "3": 10.0, "4": 14.0}
+    rows = {
+        "vapo": {"curves": {"1": first, "2": {"0": 1.0, "5": 3.0}}},
+        "ppo": {"curves": {"1": {str(k): v for k, v in second.items()}}},
+    }
+    assert shared_movement(rows) == {"fraction": fraction, "rows": 2, "independent": 0.5}
+    assert shared_movement({"vapo": {"curves": {"1": {"0": 1.0, "5": 2.0}}}}) is None
