@@ -69,6 +69,7 @@ def keep_freed_heap(environ: Mapping[str, str] = os.environ) -> bool:
         logger.info("host malloc: left as %s sets it", own)
         return False
     if not sys.platform.startswith("linux"):
+        logger.info("host malloc: %s is not Linux; left as it is", sys.platform)
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
