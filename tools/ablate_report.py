@@ -98,7 +98,7 @@ def seed_result(run_dir: Path) -> dict:
         "curve": evals,
         "start": evals.get(0),
         "late": statistics.mean(late.values()) if late else None,
-        "late_slope": _slope(late) if len(late) > 1 else None,
+        "late_slope": _line(late)[2] if len(late) > 1 else None,
         "final": evals.get(steps) if summary else None,
         "steps": steps,
         "critic_pretrain_steps": max(metrics.get("critic_pretrain", {}), default=0),
@@ -111,7 +111,7 @@ def row_report(preset: str, seeds: dict[int, dict]) -> dict:
     """A row of docs/ablation.json from its seeds' ``seed_result``s (finished ones counted)."""
     done = {s: r for s, r in sorted(seeds.items()) if r["final"] is not None}
     finals = [100 * r["final"] for r in done.values()]
-    late = [100 * r["late"] for r in done.values() if r["late"] is not None]
+    late = [100 * r["late"] for r in done.values()]  # a finished run's last step is late
     slopes = [1000 * r["late_slope"] for r in done.values() if r["late_slope"] is not None]
     starts = [100 * r["start"] for r in done.values() if r["start"] is not None]
     return {
@@ -150,7 +150,7 @@ def paired(rows: dict, reference: str = REFERENCE) -> None:
         return
     ref_late = dict(zip(ref["seeds"], ref["late"]["finals"], strict=True))
     for name, row in rows.items():
-        if name == reference or len(row["late"]["finals"]) != len(row["seeds"]):
+        if name == reference:
             continue
         diffs = [x - ref_late[s] for s, x in zip(row["seeds"], row["late"]["finals"], strict=True)
                  if s in ref_late]  # fmt: skip
@@ -173,8 +173,7 @@ def shared_movement(rows: dict) -> dict | None:
     for seed, curve in runs:
         if len(curve) < 3:  # a line through two points leaves no residual
             continue
-        slope = _slope(curve)
-        mx, my = statistics.mean(curve), statistics.mean(curve.values())
+        mx, my, slope = _line(curve)
         for step, value in curve.items():
             deviations.setdefault((seed, step), []).append(value - my - slope * (step - mx))
     cells = [d for d in deviations.values() if len(d) > 1]
@@ -197,11 +196,11 @@ def _mean_interval(values: list[float]) -> dict | None:
             "ci95": [round(mean - half, 2), round(mean + half, 2)]}  # fmt: skip
 
 
-def _slope(points: dict[int, float]) -> float:
-    """Least-squares slope of rate over step."""
+def _line(points: dict[int, float]) -> tuple[float, float, float]:
+    """The least-squares line of rate over step: (mean step, mean rate, slope)."""
     mx, my = statistics.mean(points), statistics.mean(points.values())
     sxx = sum((x - mx) ** 2 for x in points)
-    return sum((x - mx) * (y - my) for x, y in points.items()) / sxx
+    return mx, my, sum((x - mx) * (y - my) for x, y in points.items()) / sxx
 
 
 def diagnostics(runs: list[dict]) -> dict:
