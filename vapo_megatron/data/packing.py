@@ -70,6 +70,11 @@ class MicroBatch:
     packed_seq_params: PackedSeqParams | None = None
     num_seqs: int = 0
     """Sequences in the micro-batch."""
+    response_runs: list[tuple[int, int]] | None = None
+    """(first position, length) of each sequence's response positions in the row, in order:
+    the positions ``response_mask`` marks, as runs (reading a row's outputs by a few slices
+    is cheaper than a masked select over every position). None where the row is split over
+    CP (a sequence's positions are no longer one run) or padded (``pad``)."""
 
     def with_fields(self, names: Sequence[str]) -> MicroBatch:
         """This micro-batch carrying only the fields ``names`` (no copy)."""
@@ -231,12 +236,14 @@ def pack(
     mask = torch.zeros(total, dtype=torch.bool, device=HOST)
     fields = {n: torch.zeros(total, dtype=samples[0].fields[n].dtype, device=HOST) for n in names}
     ends = []  # (first position after the sequence's last real token, end of its padding)
+    runs = []
     start = 0
     for sample, p, r, width in zip(samples, n_prompt, n_resp, padded, strict=True):
         pieces += (_ids(sample.prompt), _ids(sample.response))
         if width > p + r:
             pieces.append(torch.zeros(width - p - r, dtype=IDS, device=HOST))
         response = slice(start + p - 1, start + p - 1 + r)  # label-aligned
+        runs.append((start + p - 1, r))
         mask[response] = True
         for name in names:
             fields[name][response] = sample.fields[name]
@@ -253,17 +260,7 @@ def pack(
     def split(x: torch.Tensor) -> torch.Tensor:
         return split_packed_for_cp(x, cu_padded, cp_size, cp_rank) if cp_size > 1 else x
 
-    # Megatron's THD convention: cu_seqlens count real tokens, *_padded give the layout; the
-    # RoPE table must be the longest padded sequence (not the whole row) to restart per sequence.
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu_padded,
-        cu_seqlens_kv_padded=cu_padded,
-        max_seqlen_q=max(padded),
-        max_seqlen_kv=max(padded),
-    )
+    params = _packed_params(cu, cu_padded, max(padded))
     return MicroBatch(
         tokens=split(tokens)[None],
         position_ids=None,
@@ -273,6 +270,153 @@ def pack(
         seq_length=total,
         packed_seq_params=params,
         num_seqs=len(samples),
+        response_runs=runs if cp_size == 1 else None,
+    )
+
+
+def pack_many(
+    groups: Sequence[Sequence[Sample]],
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    pad_multiple: int = 1,
+    pad_each: bool = False,
+) -> list[MicroBatch]:
+    """``[pack(group, ...) for group in groups]``, equal to it element for element, written a
+    whole chunk at a time: each of the chunk's tensors (ids, labels, mask, one per field) is
+    one ``torch.cat`` of the samples' own tensors and views of one zero buffer, and each
+    micro-batch's are views of it (split over CP per micro-batch, as ``pack`` does).
+
+    The step packs thousands of micro-batches of ~2 samples each, and ``pack``'s cost is
+    torch's per-call overhead (a few microseconds a slice assignment, 10-20 a micro-batch),
+    not the bytes (docs/benchmarks.md). A micro-batch's views keep its chunk's buffers alive:
+    the callers hold a chunk's micro-batches together anyway (a scoring chunk, a mini-batch).
+    Samples whose field dtypes differ from the first sample's are packed one micro-batch at a
+    time (``pack`` casts to each micro-batch's first sample's dtype; a chunk-wide cat would
+    promote instead).
+    """
+    if not groups:
+        return []
+    for group in groups:
+        _check(group)
+    samples = [s for group in groups for s in group]
+    names = _check(samples)
+    dtypes = {n: samples[0].fields[n].dtype for n in names}
+    if any(s.fields[n].dtype != dtypes[n] for s in samples for n in names):
+        return [
+            pack(g, cp_size=cp_size, cp_rank=cp_rank, pad_multiple=pad_multiple, pad_each=pad_each)
+            for g in groups
+        ]
+    n_prompt = [_length(s.prompt) for s in samples]
+    n_resp = [_length(s.response) for s in samples]
+    for sample, p, r in zip(samples, n_prompt, n_resp, strict=True):
+        _check_sample(sample, p, r)
+    lengths = [p + r for p, r in zip(n_prompt, n_resp, strict=True)]
+    rows, widths, first = [], [], 0  # rows: (first sample, last sample + 1) of each group
+    for group in groups:
+        rows.append((first, first + len(group)))
+        widths += _padded_widths(
+            lengths[first : first + len(group)], cp_size, pad_multiple, pad_each
+        )
+        first += len(group)
+    total = sum(widths)
+    # Zeros to cut the padding and the gaps between responses from: a gap spans at most the
+    # end of one sequence's width and the start of the next's.
+    zero = {IDS: torch.zeros(2 * max(widths), dtype=IDS, device=HOST)}
+    for dtype in {torch.bool, *dtypes.values()}:
+        zero.setdefault(dtype, torch.zeros(2 * max(widths), dtype=dtype, device=HOST))
+    true = torch.ones(max(n_resp), dtype=torch.bool, device=HOST)
+
+    ids: list[torch.Tensor] = []
+    label_zeros: list[int] = []  # a sequence's last position, and its padding's last
+    gaps: list[tuple[int, int]] = []  # zeros before each response, its length
+    gap = start = 0
+    starts = []  # each sequence's first position in the chunk
+    for sample, p, r, width in zip(samples, n_prompt, n_resp, widths, strict=True):
+        starts.append(start)
+        ids += (_ids(sample.prompt), _ids(sample.response))
+        if width > p + r:
+            ids.append(zero[IDS][: width - p - r])
+            label_zeros.append(start + width - 1)
+        label_zeros.append(start + p + r - 1)
+        gaps.append((gap + p - 1, r))  # label-aligned: the response starts at p - 1
+        gap = width - p - r + 1
+        start += width
+
+    def cat(pieces: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.cat(pieces, out=torch.empty(total, dtype=dtype, device=HOST))
+        if out.numel() != total:  # cat resizes ``out`` rather than fail
+            raise AssertionError(f"packed {out.numel()} positions for a chunk of {total}")
+        return out
+
+    def spread(values: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Each sample's response values at its label-aligned positions, zeros elsewhere."""
+        pieces = []
+        for (before, _), v in zip(gaps, values, strict=True):
+            pieces += (zero[dtype][:before], v)
+        pieces.append(zero[dtype][:gap])
+        return cat(pieces, dtype)
+
+    tokens = cat(ids, IDS)
+    labels = torch.empty(total, dtype=IDS, device=HOST)
+    labels[:-1] = tokens[1:]
+    labels[torch.tensor(label_zeros, dtype=torch.long, device=HOST)] = 0
+    mask = spread([true[:r] for _, r in gaps], torch.bool)
+    fields = {n: spread([s.fields[n] for s in samples], dtypes[n]) for n in names}
+
+    out = []
+    row_start = 0
+    for first, last in rows:
+        row_widths = widths[first:last]
+        end = row_start + sum(row_widths)
+        cu = torch.tensor(
+            [0, *itertools.accumulate(lengths[first:last])], dtype=torch.int32, device=HOST
+        )
+        cu_padded = torch.tensor(
+            [0, *itertools.accumulate(row_widths)], dtype=torch.int32, device=HOST
+        )
+
+        row = (slice(row_start, end), cu_padded, cp_size, cp_rank)
+        out.append(
+            MicroBatch(
+                tokens=_row_of(tokens, *row),
+                position_ids=None,
+                labels=_row_of(labels, *row),
+                response_mask=_row_of(mask, *row),
+                fields={n: _row_of(v, *row) for n, v in fields.items()},
+                seq_length=end - row_start,
+                packed_seq_params=_packed_params(cu, cu_padded, max(row_widths)),
+                num_seqs=last - first,
+                response_runs=None
+                if cp_size > 1
+                else [
+                    (starts[j] - row_start + n_prompt[j] - 1, n_resp[j]) for j in range(first, last)
+                ],
+            )
+        )
+        row_start = end
+    return out
+
+
+def _row_of(
+    chunk: torch.Tensor, span: slice, cu_padded: torch.Tensor, cp_size: int, cp_rank: int
+) -> torch.Tensor:
+    """[1, t] one micro-batch's part of a chunk's tensor, this CP rank's under CP."""
+    x = chunk[span]
+    return (split_packed_for_cp(x, cu_padded, cp_size, cp_rank) if cp_size > 1 else x)[None]
+
+
+def _packed_params(cu: torch.Tensor, cu_padded: torch.Tensor, longest: int) -> PackedSeqParams:
+    """Megatron's THD convention: cu_seqlens count real tokens, *_padded give the layout; the
+    RoPE table must be the longest padded sequence (not the whole row) to restart per sequence."""
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
     )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from vapo_megatron.config.layout import ModelLayout
-from vapo_megatron.data.packing import MicroBatch, Sample, pack
+from vapo_megatron.data.packing import MicroBatch, Sample, pack, pack_many
 from vapo_megatron.models.router_replay import ROUTES
 from vapo_megatron.parallel.context_parallel import split_packed_for_cp
 from vapo_megatron.parallel.devices import HOST
@@ -135,7 +135,7 @@ def micro_batches(
     if not samples:
         return [empty_micro_batch(layout, cp_rank=cp_rank, field_names=field_names)]
     plan = plan_micro_batches(samples, layout, token_budget=token_budget)
-    return [plan.pack(group, cp_rank) for group in plan.groups]
+    return plan.pack(plan.groups, cp_rank)
 
 
 class MicroBatchPlan:
@@ -151,20 +151,30 @@ class MicroBatchPlan:
         self.groups, self.layout, self.pad_multiple = groups, layout, pad_multiple
         self.pad_each = layout.cp > 1 and layout.pp == 1
 
-    def pack(self, group: Sequence[Sample], cp_rank: int) -> MicroBatch:
-        routes = [sample.fields.get(ROUTES) for sample in group]
-        if routes[0] is not None:  # per position, not per response token: placed below
-            group = [
-                dataclasses.replace(s, fields={k: v for k, v in s.fields.items() if k != ROUTES})
-                for s in group
+    def pack(self, groups: Sequence[Sequence[Sample]], cp_rank: int) -> list[MicroBatch]:
+        """Micro-batches of ``groups`` (some of ``self.groups``), written as one chunk
+        (``pack_many``)."""
+        routes = [[sample.fields.get(ROUTES) for sample in group] for group in groups]
+        if routes and routes[0][0] is not None:  # per position, not per response token
+            groups = [
+                [
+                    dataclasses.replace(
+                        s, fields={k: v for k, v in s.fields.items() if k != ROUTES}
+                    )
+                    for s in group
+                ]
+                for group in groups
             ]
-        mb = pack(
-            group, cp_size=self.layout.cp, cp_rank=cp_rank, pad_multiple=self.pad_multiple,
+        mbs = pack_many(
+            groups, cp_size=self.layout.cp, cp_rank=cp_rank, pad_multiple=self.pad_multiple,
             pad_each=self.pad_each,
         )  # fmt: skip
-        if routes[0] is not None:
-            mb.fields[ROUTES] = route_row(routes, mb, cp_size=self.layout.cp, cp_rank=cp_rank)
-        return mb
+        if routes and routes[0][0] is not None:
+            for mb, group_routes in zip(mbs, routes, strict=True):
+                mb.fields[ROUTES] = route_row(
+                    group_routes, mb, cp_size=self.layout.cp, cp_rank=cp_rank
+                )
+        return mbs
 
 
 def route_row(
@@ -226,6 +236,7 @@ def empty_micro_batch(
     mb = pack([sample], cp_size=layout.cp, cp_rank=cp_rank)
     mb.response_mask.zero_()
     mb.num_seqs = 0
+    mb.response_runs = None if mb.response_runs is None else []
     return mb
 
 

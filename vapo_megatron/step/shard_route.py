@@ -280,9 +280,21 @@ def _write(
     """Each micro-batch's outputs on its response tokens into ``buffer`` at its ``spans``
     (and marks them in ``held``)."""
     for mb, value, span in zip(chunk, outputs, spans, strict=True):
-        mask = mb.response_mask.reshape(-1)
-        # masked_select: the same elements as boolean indexing, ~2x faster on these masks
-        buffer[span] = torch.masked_select(value.reshape(-1).to(HOST, torch.float32), mask)
+        value = value.reshape(-1).to(HOST, torch.float32)
+        runs = mb.response_runs
+        if runs is not None and isinstance(span, slice):
+            # The response positions as the row's runs, by one cat of slices into the span:
+            # a few calls, where a masked select reads every position (~6 ns a token).
+            count = sum(n for _, n in runs)
+            if count != span.stop - span.start:
+                raise RuntimeError(
+                    f"a micro-batch has {count} response tokens for a span of "
+                    f"{span.stop - span.start} in the step's buffers"
+                )
+            if runs:  # none: an empty micro-batch
+                torch.cat([value[a : a + n] for a, n in runs], out=buffer[span])
+        else:  # masked_select: the same elements as boolean indexing, ~2x faster
+            buffer[span] = torch.masked_select(value, mb.response_mask.reshape(-1))
         if held is not None:
             held[span] = True
 
@@ -306,5 +318,5 @@ def _chunks(
     for first in range(0, len(plan.groups), size):
         groups = plan.groups[first : first + size]
         count = sum(len(g) for g in groups)
-        yield [plan.pack(g, engine.cp_rank) for g in groups], ids[done : done + count]
+        yield plan.pack(groups, engine.cp_rank), ids[done : done + count]
         done += count
