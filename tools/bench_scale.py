@@ -16,9 +16,13 @@ Bookkeeping seconds = step time - generation - grading - sync - the model stub's
 (``time/megatron``, as the trainer reports its schedule's compute), for the slowest rank of
 each step; the best of steps 2-4 is reported (the first pays one-time costs, the spread of the
 others is the shared machine's noise, printed too). The bench runs SAMPLES per step (default
-2,048: a quarter of the 32B step) and extrapolates linearly to 8,192 samples; peak host memory
-per rank (ru_maxrss, over all steps) is extrapolated as the baseline after start-up plus the
-growth times 8,192 / samples. Each rank also reports its CPU and system seconds and page faults
+8,192: the 32B step itself, ~45 s; ``--quick`` 256); a smaller SAMPLES is extrapolated linearly
+to 8,192, and peak host memory per rank (ru_maxrss, over all steps) as the baseline after
+start-up plus the growth times 8,192 / samples. The default measures the full step because
+a linear extrapolation misses what does not scale linearly: a rank's whole-step arrays are
+~40 MB at 2,048 samples and ~170 MB at 8,192, each a fresh mapping whose pages the kernel
+zeroes again every step unless the step keeps them (``trainer/host_malloc.step_heap``), and
+the host collectives' latency is per call, not per sample (docs/benchmarks.md). Each rank also reports its CPU and system seconds and page faults
 per step. The workers set glibc's malloc as the trainer's ranks do (``trainer/host_malloc.py``;
 ``BENCH_SCALE_MALLOC=default`` keeps glibc's defaults, for an A/B);
 ``BENCH_SCALE_PROFILE=PREFIX`` writes a cProfile of each rank's last step (CPU clock) to
@@ -259,7 +263,7 @@ def run(quick: bool = False, samples: int | None = None, mixed: bool = False) ->
     layout: the shard path)."""
     from vapo_megatron.parallel.local_launch import run_local_ranks
 
-    samples = samples or (256 if quick else 2048)
+    samples = samples or (256 if quick else STEP_SAMPLES)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONWARNINGS"] = "ignore"

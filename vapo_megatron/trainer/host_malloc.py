@@ -22,21 +22,36 @@ environment only at start-up, too late for a process that is already running):
 Setting either threshold turns glibc's dynamic adjustment off, which is why both are set
 (``M_TRIM_THRESHOLD`` alone leaves the mmap threshold at 128 KiB: twice the faults, measured).
 A user's own ``MALLOC_*`` or ``glibc.malloc`` tunables win: nothing is changed then.
+
+The step's whole-step arrays (token ids, log-probs, values and advantages of every token a rank
+holds: ~170 MB each at the 32B step's 42M tokens on a DP1 rank) are above any mmap threshold
+glibc allows (32 MiB at most), so each is a fresh mapping every step, and the kernel zeroes
+every page of it again: ~390k faults and ~2 s of system time a step on the CPU VM at 8,192
+samples, measured (``tools/bench_scale.py 8192 mixed``). ``step_heap()`` turns mmap off
+(``M_MMAP_MAX`` 0) around the step's bookkeeping only, so those arrays come from the heap, and
+the next step reuses the pages they freed. Outside it (generation, the offload arenas, weight
+sync, checkpoints) big blocks are separate mappings again, given back when freed. The heap
+keeps at most the trim threshold free at its top; free blocks below the top stay with the
+process for the next step's arrays.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 logger = logging.getLogger("vapo_megatron")
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 """glibc's ``mallopt`` parameter numbers (``malloc.h``)."""
+DEFAULT_MMAP_MAX = 65536
+"""glibc's ``DEFAULT_MMAP_MAX``: the most mappings malloc keeps at once (restored after a step)."""
 MMAP_THRESHOLD_BYTES = 32 << 20
 """glibc's ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit: the most its dynamic threshold reaches."""
 TRIM_THRESHOLD_BYTES = 512 << 20
@@ -77,11 +92,13 @@ def keep_freed_heap(environ: Mapping[str, str] = os.environ) -> bool:
         logger.info("host malloc: no mallopt in this process's C library; left as it is")
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    global _MALLOPT
     applied = (
         mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
         and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
     )
     if applied:
+        _MALLOPT = mallopt
         logger.debug(
             "host malloc: mmap threshold %d MiB, trim threshold %d MiB",
             MMAP_THRESHOLD_BYTES >> 20, TRIM_THRESHOLD_BYTES >> 20,
@@ -89,3 +106,29 @@ def keep_freed_heap(environ: Mapping[str, str] = os.environ) -> bool:
     else:  # musl's mallopt, for one, accepts nothing
         logger.info("host malloc: mallopt refused the thresholds; left as it is")
     return applied
+
+
+_MALLOPT = None
+"""glibc's ``mallopt`` once ``keep_freed_heap`` applied its settings in this process, else None."""
+_DEPTH = 0
+
+
+@contextlib.contextmanager
+def step_heap() -> Iterator[None]:
+    """Within it, every allocation comes from the heap (mmap off), so the step's whole-step
+    arrays reuse the pages the previous step freed. Does nothing unless ``keep_freed_heap``
+    applied its settings in this process (the user's own malloc settings win here too).
+    Re-entrant: the outermost exit restores glibc's default."""
+    global _DEPTH
+    if _MALLOPT is None:
+        yield
+        return
+    if _DEPTH == 0:
+        _MALLOPT(M_MMAP_MAX, 0)
+    _DEPTH += 1
+    try:
+        yield
+    finally:
+        _DEPTH -= 1
+        if _DEPTH == 0:
+            _MALLOPT(M_MMAP_MAX, DEFAULT_MMAP_MAX)
