@@ -307,95 +307,115 @@ def pack_many(
             pack(g, cp_size=cp_size, cp_rank=cp_rank, pad_multiple=pad_multiple, pad_each=pad_each)
             for g in groups
         ]
-    n_prompt = [_length(s.prompt) for s in samples]
-    n_resp = [_length(s.response) for s in samples]
-    for sample, p, r in zip(samples, n_prompt, n_resp, strict=True):
-        _check_sample(sample, p, r)
-    lengths = [p + r for p, r in zip(n_prompt, n_resp, strict=True)]
-    rows, widths, first = [], [], 0  # rows: (first sample, last sample + 1) of each group
-    for group in groups:
-        rows.append((first, first + len(group)))
-        widths += _padded_widths(
-            lengths[first : first + len(group)], cp_size, pad_multiple, pad_each
-        )
-        first += len(group)
-    total = sum(widths)
-    # Zeros to cut the padding and the gaps between responses from: a gap spans at most the
-    # end of one sequence's width and the start of the next's.
-    zero = {IDS: torch.zeros(2 * max(widths), dtype=IDS, device=HOST)}
-    for dtype in {torch.bool, *dtypes.values()}:
-        zero.setdefault(dtype, torch.zeros(2 * max(widths), dtype=dtype, device=HOST))
-    true = torch.ones(max(n_resp), dtype=torch.bool, device=HOST)
+    chunk = _Chunk(groups, samples, cp_size, pad_multiple, pad_each)
+    tensors = chunk.write(samples, dtypes)
+    return [chunk.micro_batch(k, *tensors, cp_size, cp_rank) for k in range(len(groups))]
 
-    ids: list[torch.Tensor] = []
-    label_zeros: list[int] = []  # a sequence's last position, and its padding's last
-    gaps: list[tuple[int, int]] = []  # zeros before each response, its length
-    gap = start = 0
-    starts = []  # each sequence's first position in the chunk
-    for sample, p, r, width in zip(samples, n_prompt, n_resp, widths, strict=True):
-        starts.append(start)
-        ids += (_ids(sample.prompt), _ids(sample.response))
-        if width > p + r:
-            ids.append(zero[IDS][: width - p - r])
-            label_zeros.append(start + width - 1)
-        label_zeros.append(start + p + r - 1)
-        gaps.append((gap + p - 1, r))  # label-aligned: the response starts at p - 1
-        gap = width - p - r + 1
-        start += width
 
-    def cat(pieces: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        out = torch.cat(pieces, out=torch.empty(total, dtype=dtype, device=HOST))
-        if out.numel() != total:  # cat resizes ``out`` rather than fail
-            raise AssertionError(f"packed {out.numel()} positions for a chunk of {total}")
-        return out
+class _Chunk:
+    """Where each sequence of a chunk of micro-batches sits (``pack_many``), and its writing."""
 
-    def spread(values: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Each sample's response values at its label-aligned positions, zeros elsewhere."""
-        pieces = []
-        for (before, _), v in zip(gaps, values, strict=True):
-            pieces += (zero[dtype][:before], v)
-        pieces.append(zero[dtype][:gap])
-        return cat(pieces, dtype)
-
-    tokens = cat(ids, IDS)
-    labels = torch.empty(total, dtype=IDS, device=HOST)
-    labels[:-1] = tokens[1:]
-    labels[torch.tensor(label_zeros, dtype=torch.long, device=HOST)] = 0
-    mask = spread([true[:r] for _, r in gaps], torch.bool)
-    fields = {n: spread([s.fields[n] for s in samples], dtypes[n]) for n in names}
-
-    out = []
-    row_start = 0
-    for first, last in rows:
-        row_widths = widths[first:last]
-        end = row_start + sum(row_widths)
-        cu = torch.tensor(
-            [0, *itertools.accumulate(lengths[first:last])], dtype=torch.int32, device=HOST
-        )
-        cu_padded = torch.tensor(
-            [0, *itertools.accumulate(row_widths)], dtype=torch.int32, device=HOST
-        )
-
-        row = (slice(row_start, end), cu_padded, cp_size, cp_rank)
-        out.append(
-            MicroBatch(
-                tokens=_row_of(tokens, *row),
-                position_ids=None,
-                labels=_row_of(labels, *row),
-                response_mask=_row_of(mask, *row),
-                fields={n: _row_of(v, *row) for n, v in fields.items()},
-                seq_length=end - row_start,
-                packed_seq_params=_packed_params(cu, cu_padded, max(row_widths)),
-                num_seqs=last - first,
-                response_runs=None
-                if cp_size > 1
-                else [
-                    (starts[j] - row_start + n_prompt[j] - 1, n_resp[j]) for j in range(first, last)
-                ],
+    def __init__(self, groups, samples, cp_size: int, pad_multiple: int, pad_each: bool):
+        self.n_prompt = [_length(s.prompt) for s in samples]
+        self.n_resp = [_length(s.response) for s in samples]
+        for sample, p, r in zip(samples, self.n_prompt, self.n_resp, strict=True):
+            _check_sample(sample, p, r)
+        self.lengths = [p + r for p, r in zip(self.n_prompt, self.n_resp, strict=True)]
+        self.rows, self.widths, first = [], [], 0  # rows: (first sample, last + 1), per group
+        for group in groups:
+            self.rows.append((first, first + len(group)))
+            self.widths += _padded_widths(
+                self.lengths[first : first + len(group)], cp_size, pad_multiple, pad_each
             )
+            first += len(group)
+        self.starts = [0, *itertools.accumulate(self.widths)]  # each sequence's first position
+        self.total = self.starts[-1]
+
+    def write(
+        self, samples: Sequence[Sample], dtypes: dict[str, torch.dtype]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The chunk's tokens, labels, response mask and fields, each by one ``cat``."""
+        total, widest = self.total, max(self.widths)
+        # Zeros to cut the padding and the gaps between responses from: a gap spans at most
+        # the end of one sequence's width and the start of the next's.
+        zero = {
+            dtype: torch.zeros(2 * widest, dtype=dtype, device=HOST)
+            for dtype in {IDS, torch.bool, *dtypes.values()}
+        }
+        ids: list[torch.Tensor] = []
+        label_zeros: list[int] = []  # a sequence's last position, and its padding's last
+        gaps: list[tuple[int, int]] = []  # zeros before each response, its length
+        gap = 0
+        for sample, p, r, width, start in zip(
+            samples, self.n_prompt, self.n_resp, self.widths, self.starts, strict=False
+        ):
+            ids += (_ids(sample.prompt), _ids(sample.response))
+            if width > p + r:
+                ids.append(zero[IDS][: width - p - r])
+                label_zeros.append(start + width - 1)
+            label_zeros.append(start + p + r - 1)
+            gaps.append((gap + p - 1, r))  # label-aligned: the response starts at p - 1
+            gap = width - p - r + 1
+
+        def cat(pieces: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            out = torch.cat(pieces, out=torch.empty(total, dtype=dtype, device=HOST))
+            if out.numel() != total:  # cat resizes ``out`` rather than fail
+                raise AssertionError(f"packed {out.numel()} positions for a chunk of {total}")
+            return out
+
+        def spread(values: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            """Each sample's response values at its label-aligned positions, zeros elsewhere."""
+            pieces = []
+            for (before, _), v in zip(gaps, values, strict=True):
+                pieces += (zero[dtype][:before], v)
+            pieces.append(zero[dtype][:gap])
+            return cat(pieces, dtype)
+
+        tokens = cat(ids, IDS)
+        labels = torch.empty(total, dtype=IDS, device=HOST)
+        labels[:-1] = tokens[1:]
+        labels[torch.tensor(label_zeros, dtype=torch.long, device=HOST)] = 0
+        true = torch.ones(max(self.n_resp), dtype=torch.bool, device=HOST)
+        mask = spread([true[:r] for _, r in gaps], torch.bool)
+        fields = {n: spread([s.fields[n] for s in samples], dtype) for n, dtype in dtypes.items()}
+        return tokens, labels, mask, fields
+
+    def micro_batch(
+        self,
+        k: int,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        mask: torch.Tensor,
+        fields: dict[str, torch.Tensor],
+        cp_size: int,
+        cp_rank: int,
+    ) -> MicroBatch:
+        """Group ``k``'s micro-batch: views of the chunk's tensors (split over CP)."""
+        first, last = self.rows[k]
+        row_start, end = self.starts[first], self.starts[last]
+        widths = self.widths[first:last]
+        cu = torch.tensor(
+            [0, *itertools.accumulate(self.lengths[first:last])], dtype=torch.int32, device=HOST
         )
-        row_start = end
-    return out
+        cu_padded = torch.tensor([0, *itertools.accumulate(widths)], dtype=torch.int32, device=HOST)
+        row = (slice(row_start, end), cu_padded, cp_size, cp_rank)
+        runs = None
+        if cp_size == 1:
+            runs = [
+                (self.starts[j] - row_start + self.n_prompt[j] - 1, self.n_resp[j])
+                for j in range(first, last)
+            ]
+        return MicroBatch(
+            tokens=_row_of(tokens, *row),
+            position_ids=None,
+            labels=_row_of(labels, *row),
+            response_mask=_row_of(mask, *row),
+            fields={n: _row_of(v, *row) for n, v in fields.items()},
+            seq_length=end - row_start,
+            packed_seq_params=_packed_params(cu, cu_padded, max(widths)),
+            num_seqs=last - first,
+            response_runs=runs,
+        )
 
 
 def _row_of(
