@@ -96,7 +96,7 @@ vapo_defaults() {
 VAPO_ENV_VARS=(
     CUDA_DEVICE_MAX_CONNECTIONS NCCL_IB_TIMEOUT NCCL_IB_RETRY_CNT NCCL_DEBUG
     TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_NCCL_AVOID_RECORD_STREAMS NCCL_NVLS_ENABLE
-    OMP_NUM_THREADS TOKENIZERS_PARALLELISM HF_HUB_OFFLINE VLLM_CONFIGURE_LOGGING
+    OMP_NUM_THREADS TOKENIZERS_PARALLELISM HF_HUB_OFFLINE VLLM_CONFIGURE_LOGGING GLIBC_TUNABLES
     MASTER_ADDR MASTER_PORT GPUS_PER_NODE NCCL_IB_HCA NCCL_SOCKET_IFNAME NCCL_IB_GID_INDEX
     GLOO_SOCKET_IFNAME
 )
@@ -115,6 +115,13 @@ vapo_export_env() {
     export TOKENIZERS_PARALLELISM=false
     export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" # compute nodes download nothing
     export VLLM_CONFIGURE_LOGGING=0
+    # Transparent huge pages for glibc malloc's mappings: the step's ~170 MB host arrays fault
+    # 2 MiB at a time, not 4 KiB (vapo_megatron/trainer/host_malloc.py); a user's own
+    # glibc.malloc.hugetlb (=0 to turn it off) wins. glibc reads it at process start only.
+    case ":${GLIBC_TUNABLES:-}:" in
+    *:glibc.malloc.hugetlb=*) ;;
+    *) export GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1" ;;
+    esac
     # Not PYTORCH_CUDA_ALLOC_CONF=expandable_segments: vLLM's sleep mode refuses it.
     [[ -n "${NCCL_IB_HCA:-}" ]] && export NCCL_IB_HCA
     [[ -n "${NCCL_SOCKET_IFNAME:-}" ]] && export NCCL_SOCKET_IFNAME

@@ -20,13 +20,15 @@ others is the shared machine's noise, printed too). The bench runs SAMPLES per s
 to 8,192, and peak host memory per rank (ru_maxrss, over all steps) as the baseline after
 start-up plus the growth times 8,192 / samples. The default measures the full step because
 a linear extrapolation misses what does not scale linearly: a rank's whole-step arrays are
-~40 MB at 2,048 samples and ~170 MB at 8,192, each a fresh mapping whose pages the kernel
-zeroes again every step unless the step keeps them (``trainer/host_malloc.step_heap``), and
-the host collectives' latency is per call, not per sample (docs/benchmarks.md). Each rank also reports its CPU and system seconds and page faults
-per step. The workers set glibc's malloc as the trainer's ranks do (``trainer/host_malloc.py``;
-``BENCH_SCALE_MALLOC=default`` keeps glibc's defaults, for an A/B);
-``BENCH_SCALE_PROFILE=PREFIX`` writes a cProfile of each rank's last step (CPU clock) to
-``PREFIX.RANK``.
+~40 MB at 2,048 samples and ~170 MB at 8,192, each a fresh mapping every step whose pages the
+kernel zeroes and faults in again (2 MiB at a time with the ranks' huge-page tunable,
+``trainer/host_malloc.py``), and the host collectives' latency is per call, not per sample
+(docs/benchmarks.md). Each rank also reports its CPU and system seconds and page faults per
+step. The workers start as the trainer's ranks do (``run_local_ranks``: glibc's huge-page
+tunable; ``GLIBC_TUNABLES=glibc.malloc.hugetlb=0`` turns it off, for an A/B) and set glibc's
+malloc as they do (``trainer/host_malloc.py``; ``BENCH_SCALE_MALLOC=default`` keeps glibc's
+defaults); ``BENCH_SCALE_PROFILE=PREFIX`` writes a cProfile of each rank's last step (CPU
+clock) to ``PREFIX.RANK``.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_SAMPLES = 8192
-STEPS = 4
-"""Steps run; the first pays one-time costs, the best of the others is reported."""
+STEPS = int(os.environ.get("BENCH_SCALE_STEPS", "4"))
+"""Steps run (``BENCH_SCALE_STEPS``, at least 2); the first pays one-time costs, the best of
+the others is reported. Each rank's peak memory is printed after every step: a run of more
+steps shows whether it keeps growing (as a fragmenting heap's did: docs/benchmarks.md)."""
 PROMPT_TOKENS = 300
 
 
@@ -246,7 +250,8 @@ def worker(samples: int, steps: int, mixed: bool) -> None:
         cpu = time.process_time() - cpu - metrics.get("time/megatron", 0.0)
         after = resource.getrusage(resource.RUSAGE_SELF)
         faults, sys_s = after.ru_minflt - usage.ru_minflt, after.ru_stime - usage.ru_stime
-        rows.append({**step_row(metrics), **spent, "cpu_s": cpu, "faults": faults, "sys_s": sys_s})
+        rows.append({**step_row(metrics), **spent, "cpu_s": cpu, "faults": faults, "sys_s": sys_s,
+                     "peak_gb": rss_gb()})  # fmt: skip
     result = {
         "rank": dist.get_rank(), "samples": int(metrics["num_samples"]),
         "response_tokens": int(metrics["response_length/mean"] * metrics["num_samples"]),
@@ -263,6 +268,8 @@ def run(quick: bool = False, samples: int | None = None, mixed: bool = False) ->
     layout: the shard path)."""
     from vapo_megatron.parallel.local_launch import run_local_ranks
 
+    if STEPS < 2:
+        raise SystemExit(f"BENCH_SCALE_STEPS={STEPS}: the bench needs at least 2 steps")
     samples = samples or (256 if quick else STEP_SAMPLES)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -312,6 +319,9 @@ def run(quick: bool = False, samples: int | None = None, mixed: bool = False) ->
     print("of which system (the kernel, mostly zeroing fresh pages) and thousands of page "
           "faults: " + "; ".join(" ".join(f"{c:.2f}" for c in row) for row in sys_s)
           + " s; " + "; ".join(" ".join(f"{c:.0f}k" for c in row) for row in faults))  # fmt: skip
+    peaks = [[r["steps"][k]["peak_gb"] for k in range(STEPS)] for r in results]
+    print("peak host GB per rank after each step: "
+          + "; ".join(" ".join(f"{g:.2f}" for g in row) for row in peaks))  # fmt: skip
     print(f"routed advantages: {routed:,.0f} tokens to another rank, {route_s:.2f} s (in the "
           "phases above)")  # fmt: skip
     print(f"extrapolated to {STEP_SAMPLES} samples (x{scale:g}): {seconds:.1f} s per step, "

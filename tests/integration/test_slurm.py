@@ -83,6 +83,9 @@ def test_dry_run_prints_and_validates(script: str, inputs: dict[str, str]) -> No
     env.pop("GLOO_SOCKET_IFNAME", None)
     if script == "vapo_qwen32b.sh":  # multi-node: the host group's gloo crosses nodes
         env["GLOO_SOCKET_IFNAME"] = "ib0"
+        env["GLIBC_TUNABLES"] = "glibc.rtld.nns=2"  # a user's own tunables: kept
+    else:
+        env.pop("GLIBC_TUNABLES", None)
     done = subprocess.run(["bash", str(SLURM / script)], env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -92,6 +95,9 @@ def test_dry_run_prints_and_validates(script: str, inputs: dict[str, str]) -> No
     # Passed on (and listed) when set, like NCCL_SOCKET_IFNAME; absent otherwise.
     assert ("GLOO_SOCKET_IFNAME=ib0\n" in out) == (script == "vapo_qwen32b.sh")
     assert "GLOO_SOCKET_IFNAME=\n" not in out
+    # Huge pages for malloc's mappings (trainer/host_malloc.py), after the user's tunables.
+    own = "glibc.rtld.nns=2:" if script == "vapo_qwen32b.sh" else ""
+    assert f"GLIBC_TUNABLES={own}glibc.malloc.hugetlb=1\n" in out
     assert "srun --nodes=" in out and "--ntasks-per-node=8" in out
     assert "--cpus-per-task=12" in out  # srun does not inherit it from sbatch (Slurm >= 22.05)
     assert "--container-image=" in out and "-m vapo_megatron.train" in out

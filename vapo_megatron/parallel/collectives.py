@@ -17,6 +17,7 @@ Code under ``vapo_megatron`` calls ``torch.distributed`` collectives only throug
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -132,13 +133,32 @@ def all_to_all_varlen(
         check_device(piece, group, "all_to_all_varlen")
     if world == 1:
         return [pieces[0].clone()]
-    x = torch.cat(pieces)
-    sizes = torch.tensor([p.numel() for p in pieces], dtype=torch.long, device=x.device)
-    incoming = torch.empty_like(sizes)
-    dist.all_to_all_single(incoming, sizes, group=group)
-    send, recv = sizes.tolist(), incoming.tolist()
+    return all_to_all_flat(torch.cat(pieces), [p.numel() for p in pieces], group)
+
+
+def all_to_all_flat(
+    x: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """:func:`all_to_all_varlen` of pieces the caller has laid end to end in ``x`` (1-D): the
+    first ``sizes[0]`` elements go to group rank 0, the next ``sizes[1]`` to rank 1, and so on.
+    Lets a caller write its pieces straight into one send buffer instead of making each piece
+    and then a concatenated copy of them (the routed advantages, ``step/routed_route.py``).
+    Returns views of one receive buffer, one per rank, in rank order."""
+    world = dist.get_world_size(group)
+    if len(sizes) != world or sum(sizes) != x.numel() or x.dim() != 1:
+        raise ValueError(
+            f"all_to_all_flat needs a 1-D buffer and one size per rank ({world}) summing to its "
+            f"length {x.numel()}, got shape {tuple(x.shape)} and sizes {list(sizes)}"
+        )
+    check_device(x, group, "all_to_all_flat")
+    if world == 1:
+        return [x.clone()]
+    send = torch.tensor(list(sizes), dtype=torch.long, device=x.device)
+    incoming = torch.empty_like(send)
+    dist.all_to_all_single(incoming, send, group=group)
+    recv = incoming.tolist()
     out = x.new_empty(sum(recv))
-    dist.all_to_all_single(out, x, recv, send, group=group)
+    dist.all_to_all_single(out, x, recv, list(sizes), group=group)
     return list(out.split(recv))
 
 

@@ -18,6 +18,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from vapo_megatron.trainer.host_malloc import launch_tunables
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -73,6 +75,8 @@ def _run_ranks(
 ) -> list[str]:
     env_base = dict(os.environ if env is None else env)
     env_base.update(
+        # glibc reads it at start only: huge pages for malloc's mappings (trainer/host_malloc.py)
+        GLIBC_TUNABLES=launch_tunables(env_base.get("GLIBC_TUNABLES")),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
         WORLD_SIZE=str(world_size),

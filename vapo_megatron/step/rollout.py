@@ -29,7 +29,6 @@ from vapo_megatron.rewards.registry import score_responses
 from vapo_megatron.step.engine_routes import RouteStore
 from vapo_megatron.step.rollout_store import load_rollouts, save_rollouts
 from vapo_megatron.step.trajectories import META_FIELDS, Trajectories, concat, group_samples
-from vapo_megatron.trainer.host_malloc import step_heap
 
 if TYPE_CHECKING:
     from vapo_megatron.trainer.session import Session
@@ -105,15 +104,14 @@ def generate_and_grade(
     if dist.get_rank() % (dist.get_world_size() // num_replicas):
         outputs, results = [], []
         counts.zero_()
-    with step_heap():  # the gather's whole-step arrays reuse the last step's pages
-        local = _local_buffers(outputs, results, prompts, share)
-        if route_store is not None:  # the routes stay here; only where they sit is gathered
-            rank = dist.get_rank(host_group)
-            local.append(_keep_routes(outputs, prompts, share, route_store, rank))
-        # The engine's per-token Python lists are copied into ``local``: free them before the
-        # gather, which holds every replica's tokens (the host's peak of the step).
-        del outputs, results
-        return _gather(local, counts, stats, num_replicas, host_group, route_store)
+    local = _local_buffers(outputs, results, prompts, share)
+    if route_store is not None:  # the routes stay here; only where they sit is gathered
+        rank = dist.get_rank(host_group)
+        local.append(_keep_routes(outputs, prompts, share, route_store, rank))
+    # The engine's per-token Python lists are copied into ``local``: free them before the
+    # gather, which holds every replica's tokens (the host's peak of the step).
+    del outputs, results
+    return _gather(local, counts, stats, num_replicas, host_group, route_store)
 
 
 def _keep_routes(

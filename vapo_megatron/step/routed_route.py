@@ -181,6 +181,7 @@ class AdvantageExchange:
             [dst.to(index_dtype) for _, dst in pieces], host_group
         )
         self.dst = torch.cat(received).long()
+        self.dst_sizes = [piece.numel() for piece in received]  # per sender, in rank order
         if policy.is_last_stage:
             self._check_coverage(policy)
 
@@ -227,38 +228,74 @@ class AdvantageExchange:
 
     def send(self, critic_array: torch.Tensor) -> torch.Tensor:
         """``critic_array`` ([critic buffer], this rank's critic side) -> [policy buffer] of
-        this rank's policy side (zeros off the last pipeline stage)."""
-        out = torch.zeros(self.num_tokens, dtype=torch.float32, device=HOST)
+        this rank's policy side (zeros off the last pipeline stage).
+
+        Memory: the pieces for other ranks are written straight into one send buffer, which is
+        freed before the [policy buffer] is made; this rank's own piece never leaves
+        ``critic_array``. At the 32B step's shape the exchange then holds at most the receive
+        buffer and the result beside its input (docs/benchmarks.md)."""
         critic_array = critic_array.to(torch.float32)
+        me = dist.get_rank(self.host_group)
         if not self.whole:
-            received = self._exchange([critic_array[src] for src in self.src])
-            if self.dst.numel():
-                out[self.dst] = torch.cat(received)
-            return out
-        received = self._exchange([_take(critic_array, spans) for spans in self.send_spans])
-        for piece, spans in zip(received, self.recv_spans, strict=True):
-            done = 0
-            for a, b in spans:
-                out[a:b] = piece[done : done + b - a]
+            return self._send_positions(critic_array, me)
+        sizes = [sum(b - a for a, b in spans) for spans in self.send_spans]
+        sizes[me] = 0  # kept here: no copy into the send buffer and back out of gloo
+        x = torch.empty(sum(sizes), dtype=torch.float32, device=HOST)
+        done = 0
+        for rank, spans in enumerate(self.send_spans):
+            for a, b in spans if rank != me else ():
+                x[done : done + b - a] = critic_array[a:b]
                 done += b - a
-            if done != piece.numel():
-                raise RuntimeError(
-                    f"rank {dist.get_rank()} was sent {piece.numel()} advantages by a critic "
-                    f"rank that owes it {done}: the ranks disagree on the step's owners"
-                )
+        received = collectives.all_to_all_flat(x, sizes, self.host_group)
+        del x
+        out = torch.zeros(self.num_tokens, dtype=torch.float32, device=HOST)
+        for rank, (piece, spans) in enumerate(zip(received, self.recv_spans, strict=True)):
+            chunks = [critic_array[a:b] for a, b in self.send_spans[me]] if rank == me else [piece]
+            _fill_spans(out, spans, chunks, me)
         return out
 
-    def _exchange(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``all_to_all_varlen`` of ``pieces`` (one per rank of the host group), this rank's
-        own piece kept here: it would otherwise be copied into the send buffer and through
-        gloo back into the receive buffer, two step-sized copies where the policy and the
-        critic share ranks (``scale --mixed``: half of each rank's advantages)."""
-        me = dist.get_rank(self.host_group)
-        own = pieces[me]
-        pieces[me] = own[:0]
-        received = collectives.all_to_all_varlen(pieces, self.host_group)
-        received[me] = own
-        return received
+    def _send_positions(self, critic_array: torch.Tensor, me: int) -> torch.Tensor:
+        """``send`` from CP chunks: the values at ``src`` of each receiver, to its ``dst``."""
+        sizes = [src.numel() if rank != me else 0 for rank, src in enumerate(self.src)]
+        x = torch.empty(sum(sizes), dtype=torch.float32, device=HOST)
+        done = 0
+        for rank, src in enumerate(self.src):
+            if rank != me:
+                torch.index_select(critic_array, 0, src, out=x[done : done + src.numel()])
+                done += src.numel()
+        received = collectives.all_to_all_flat(x, sizes, self.host_group)
+        del x
+        out = torch.zeros(self.num_tokens, dtype=torch.float32, device=HOST)
+        for rank, (piece, dst) in enumerate(
+            zip(received, self.dst.split(self.dst_sizes), strict=True)
+        ):
+            out[dst] = critic_array[self.src[me]] if rank == me else piece
+        return out
+
+
+def _fill_spans(
+    out: torch.Tensor, spans: list[tuple[int, int]], chunks: list[torch.Tensor], rank: int
+) -> None:
+    """Copies ``chunks`` (laid end to end) into ``out``'s ``spans``, in order; raises where
+    their lengths differ (the sender and this rank, ``rank`` of the host group, disagree on
+    the step's owners)."""
+    total = sum(c.numel() for c in chunks)
+    owed = sum(b - a for a, b in spans)
+    if total != owed:
+        raise RuntimeError(
+            f"rank {rank} was sent {total} advantages by a critic rank that owes it "
+            f"{owed}: the ranks disagree on the step's owners"
+        )
+    source = iter(chunks)
+    chunk, used = None, 0
+    for a, b in spans:
+        while a < b:
+            if chunk is None or used == chunk.numel():
+                chunk, used = next(source), 0
+                continue
+            n = min(b - a, chunk.numel() - used)
+            out[a : a + n] = chunk[used : used + n]
+            a, used = a + n, used + n
 
 
 def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -270,14 +307,6 @@ def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
-
-
-def _take(array: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-    if len(spans) == 1:
-        return array[spans[0][0] : spans[0][1]]
-    if not spans:
-        return array[:0]
-    return torch.cat([array[a:b] for a, b in spans])
 
 
 def _send_spans(

@@ -30,7 +30,6 @@ from vapo_megatron.step.shard_route import step_share
 from vapo_megatron.step.timing import Timer
 from vapo_megatron.step.trajectories import Trajectories
 from vapo_megatron.step.updates import UpdateData, epoch_minibatches, run_updates
-from vapo_megatron.trainer.host_malloc import step_heap
 from vapo_megatron.weights.sync import sync_weights
 
 if TYPE_CHECKING:
@@ -65,43 +64,40 @@ def run_step(
         logger.warning("step %d: no trajectories to train on (all groups filtered)", step)
         metrics["skipped_step"] = 1.0
         return metrics
-    # 5-7 on heap memory only: their whole-step arrays reuse the last step's pages
-    # (trainer/host_malloc.py).
-    with step_heap():
-        # 5. Scoring pass (old log-probs at the sampling temperature, values), on the route that
-        # brings each token's outputs to the rank that trains on it (step/scoring.py).
-        route = output_route(session, models, trajectories, step)
-        metrics["data/shard_path"] = float(route.name == "shards")
-        policy_routes = engine_routes(session, models, trajectories, route)
-        inputs = StepInputs(
-            trajectories.prompts, trajectories.responses, trajectories.reward,
-            trajectories.rollout_logprobs, routes=policy_routes,
-        )  # fmt: skip
-        scored = route.score(
-            models, inputs, algo=cfg.algorithm, monte_carlo=pretrain,
-            token_budget=cfg.trainer.micro_batch_tokens,
-        )  # fmt: skip
-        metrics.update(logprob_gap_metrics(scored, inputs))
-        if not cfg.algorithm.rollout_correction.enabled:  # nothing else reads them: freed
-            trajectories.rollout_logprobs = None
-            inputs.rollout_logprobs = None
-        timer.lap("scoring")
-        # 6. Advantages and critic targets.
-        fields, step_stats = advantages_and_metrics(
-            cfg.algorithm, scored, inputs, monte_carlo=pretrain,
-            whiten_advantages=cfg.trainer.whiten_advantages and not pretrain,
-        )  # fmt: skip
-        metrics.update(step_stats)
-        warn_on_logprob_gap(metrics, step, cfg.rollout.logprob_gap_warn)
-        timer.lap("advantages")
-        # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
-        critic_routes = scored_critic_routes(scored, models, len(trajectories))
-        metrics.update(
-            update_models(
-                session, models, trajectories, fields, route, step, timer,
-                policy_routes=policy_routes, critic_routes=critic_routes,
-            )
-        )  # fmt: skip
+    # 5. Scoring pass (old log-probs at the sampling temperature, values), on the route that
+    # brings each token's outputs to the rank that trains on it (step/scoring.py).
+    route = output_route(session, models, trajectories, step)
+    metrics["data/shard_path"] = float(route.name == "shards")
+    policy_routes = engine_routes(session, models, trajectories, route)
+    inputs = StepInputs(
+        trajectories.prompts, trajectories.responses, trajectories.reward,
+        trajectories.rollout_logprobs, routes=policy_routes,
+    )  # fmt: skip
+    scored = route.score(
+        models, inputs, algo=cfg.algorithm, monte_carlo=pretrain,
+        token_budget=cfg.trainer.micro_batch_tokens,
+    )  # fmt: skip
+    metrics.update(logprob_gap_metrics(scored, inputs))
+    if not cfg.algorithm.rollout_correction.enabled:  # nothing else reads them: freed
+        trajectories.rollout_logprobs = None
+        inputs.rollout_logprobs = None
+    timer.lap("scoring")
+    # 6. Advantages and critic targets.
+    fields, step_stats = advantages_and_metrics(
+        cfg.algorithm, scored, inputs, monte_carlo=pretrain,
+        whiten_advantages=cfg.trainer.whiten_advantages and not pretrain,
+    )  # fmt: skip
+    metrics.update(step_stats)
+    warn_on_logprob_gap(metrics, step, cfg.rollout.logprob_gap_warn)
+    timer.lap("advantages")
+    # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
+    critic_routes = scored_critic_routes(scored, models, len(trajectories))
+    metrics.update(
+        update_models(
+            session, models, trajectories, fields, route, step, timer,
+            policy_routes=policy_routes, critic_routes=critic_routes,
+        )
+    )  # fmt: skip
     # 8. Metrics (the checkpoint is the loop's).
     prompts, responses = trajectories.prompts, trajectories.responses
     metrics.update(timer.metrics(int(prompts.offsets[-1]) + int(responses.offsets[-1])))

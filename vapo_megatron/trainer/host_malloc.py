@@ -25,33 +25,34 @@ A user's own ``MALLOC_*`` or ``glibc.malloc`` tunables win: nothing is changed t
 
 The step's whole-step arrays (token ids, log-probs, values and advantages of every token a rank
 holds: ~170 MB each at the 32B step's 42M tokens on a DP1 rank) are above any mmap threshold
-glibc allows (32 MiB at most), so each is a fresh mapping every step, and the kernel zeroes
-every page of it again: ~390k faults and ~2 s of system time a step on the CPU VM at 8,192
-samples, measured (``tools/bench_scale.py 8192 mixed``). ``step_heap()`` turns mmap off
-(``M_MMAP_MAX`` 0) around the step's bookkeeping only, so those arrays come from the heap, and
-the next step reuses the pages they freed. Outside it (generation, the offload arenas, weight
-sync, checkpoints) big blocks are separate mappings again, given back when freed. The heap
-keeps at most the trim threshold free at its top; free blocks below the top stay with the
-process for the next step's arrays.
+glibc allows (32 MiB at most), so each is a fresh mapping every step, given back when freed,
+whose pages the kernel zeroes and faults in again: ~390k faults a step with 4 KiB pages on the
+CPU VM at 8,192 samples (``tools/bench_scale.py 8192 mixed``). The ranks are therefore launched
+with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (``launch_tunables``: ``parallel/local_launch.py``
+and ``slurm/common.sh`` set it; the user's own ``glibc.malloc.hugetlb`` wins): glibc then
+``madvise``s its mappings for transparent huge pages, so the kernel maps them 2 MiB at a time
+(~7k faults a step, measured) where THP is ``madvise`` or ``always``. glibc reads the tunable
+only at process start, which is why it travels in the environment and is not set here.
+
+Tried and removed (docs/benchmarks.md, 2026-12-06): taking the whole-step arrays from the heap
+(``M_MMAP_MAX`` 0 around the step) saved the faults too, but the heap fragments around them: a
+rank's resident memory climbed step after step (1.70 to 2.25 GB over 12 steps at 8,192
+samples, with ~1.1 GB in use), where mappings given back each step hold it at 1.6-1.7 GB.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 logger = logging.getLogger("vapo_megatron")
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-M_MMAP_MAX = -4
 """glibc's ``mallopt`` parameter numbers (``malloc.h``)."""
-DEFAULT_MMAP_MAX = 65536
-"""glibc's ``DEFAULT_MMAP_MAX``: the most mappings malloc keeps at once (restored after a step)."""
 MMAP_THRESHOLD_BYTES = 32 << 20
 """glibc's ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit: the most its dynamic threshold reaches."""
 TRIM_THRESHOLD_BYTES = 512 << 20
@@ -62,6 +63,24 @@ _USER_SETTINGS = (
     "MALLOC_TOP_PAD_",
     "MALLOC_MMAP_MAX_",
 )
+HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb"
+"""glibc's (2.35+) tunable: 1 makes malloc ``madvise`` its memory for transparent huge pages.
+Older glibc ignores tunables it does not know."""
+
+
+def tunable_names(tunables: str) -> list[str]:
+    """The names a ``GLIBC_TUNABLES`` value sets (``name=value`` entries joined by ``:``)."""
+    return [entry.split("=", 1)[0].strip() for entry in tunables.split(":") if entry.strip()]
+
+
+def launch_tunables(tunables: str | None) -> str:
+    """The ``GLIBC_TUNABLES`` a trainer rank starts with: ``tunables`` (the launcher's own
+    value, or None) with ``glibc.malloc.hugetlb=1`` added, unless it names that tunable
+    already (then the user's choice stands, ``=0`` included)."""
+    tunables = tunables or ""
+    if HUGEPAGE_TUNABLE in tunable_names(tunables):
+        return tunables
+    return f"{tunables}:{HUGEPAGE_TUNABLE}=1" if tunables else f"{HUGEPAGE_TUNABLE}=1"
 
 
 def user_malloc_setting(environ: Mapping[str, str]) -> str | None:
@@ -70,8 +89,9 @@ def user_malloc_setting(environ: Mapping[str, str]) -> str | None:
     for name in _USER_SETTINGS:
         if name in environ:
             return name
-    if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
-        return "GLIBC_TUNABLES"
+    names = tunable_names(environ.get("GLIBC_TUNABLES", ""))
+    if any(n.startswith("glibc.malloc.") and n != HUGEPAGE_TUNABLE for n in names):
+        return "GLIBC_TUNABLES"  # huge pages alone are the launchers' (launch_tunables)
     return None
 
 
@@ -79,6 +99,12 @@ def keep_freed_heap(environ: Mapping[str, str] = os.environ) -> bool:
     """Apply the settings above to this process's glibc malloc. True when applied; False (and
     a log line saying why) on another C library or platform, or where the user's environment
     tunes malloc already."""
+    if HUGEPAGE_TUNABLE not in tunable_names(environ.get("GLIBC_TUNABLES", "")):
+        logger.info(
+            "host malloc: started without GLIBC_TUNABLES=%s=1 (vapo-train's local ranks and "
+            "slurm/ set it; export it where you launch ranks yourself): each step's big host "
+            "arrays are faulted in 4 KiB pages", HUGEPAGE_TUNABLE,
+        )  # fmt: skip
     own = user_malloc_setting(environ)
     if own is not None:
         logger.info("host malloc: left as %s sets it", own)
@@ -92,13 +118,11 @@ def keep_freed_heap(environ: Mapping[str, str] = os.environ) -> bool:
         logger.info("host malloc: no mallopt in this process's C library; left as it is")
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    global _MALLOPT
     applied = (
         mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
         and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
     )
     if applied:
-        _MALLOPT = mallopt
         logger.debug(
             "host malloc: mmap threshold %d MiB, trim threshold %d MiB",
             MMAP_THRESHOLD_BYTES >> 20, TRIM_THRESHOLD_BYTES >> 20,
@@ -106,29 +130,3 @@ def keep_freed_heap(environ: Mapping[str, str] = os.environ) -> bool:
     else:  # musl's mallopt, for one, accepts nothing
         logger.info("host malloc: mallopt refused the thresholds; left as it is")
     return applied
-
-
-_MALLOPT = None
-"""glibc's ``mallopt`` once ``keep_freed_heap`` applied its settings in this process, else None."""
-_DEPTH = 0
-
-
-@contextlib.contextmanager
-def step_heap() -> Iterator[None]:
-    """Within it, every allocation comes from the heap (mmap off), so the step's whole-step
-    arrays reuse the pages the previous step freed. Does nothing unless ``keep_freed_heap``
-    applied its settings in this process (the user's own malloc settings win here too).
-    Re-entrant: the outermost exit restores glibc's default."""
-    global _DEPTH
-    if _MALLOPT is None:
-        yield
-        return
-    if _DEPTH == 0:
-        _MALLOPT(M_MMAP_MAX, 0)
-    _DEPTH += 1
-    try:
-        yield
-    finally:
-        _DEPTH -= 1
-        if _DEPTH == 0:
-            _MALLOPT(M_MMAP_MAX, DEFAULT_MMAP_MAX)

@@ -32,6 +32,7 @@ def test_bench_quick(bench):
         assert summary["samples"] == 8192 and summary["measured_samples"] == 256
         assert summary["bookkeeping_s_per_step"] > 0 and summary["host_gb_per_rank"] > 0
         assert summary["response_tokens"] > 8192 * 1000
+        assert "peak host GB per rank after each step: " in result.stdout
     else:
         assert summary["step_samples"] == 512 and summary["step_gae_s"] > 0
         assert summary["step_memcpy_s"] > 0

@@ -58,6 +58,7 @@ def test_group_device_is_the_host_on_gloo():
         lambda t: collectives.recv(t, src=0),
         lambda t: collectives.gather(t, None, dst=0, group=None),
         lambda t: collectives.all_gather_into_tensor(t, t, None),
+        lambda t: collectives.all_to_all_flat(t, [3], None),
     ],
 )
 def test_host_tensor_into_nccl_group_is_refused(nccl, call):
@@ -85,6 +86,16 @@ def test_host_group_collectives_work_on_one_rank():
     counts = torch.ones(2, device="cpu")
     collectives.all_reduce(counts, host)
     assert counts.tolist() == [1.0, 1.0]
+
+
+def test_all_to_all_flat_refuses_sizes_that_do_not_cover_the_buffer():
+    x = torch.arange(4, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"one size per rank \(1\) summing to its length 4"):
+        collectives.all_to_all_flat(x, [3], None)
+    with pytest.raises(ValueError, match="one size per rank"):
+        collectives.all_to_all_flat(x, [2, 2], None)
+    got = collectives.all_to_all_flat(x, [4], None)
+    assert torch.equal(got[0], x) and got[0].data_ptr() != x.data_ptr()
 
 
 def samples():

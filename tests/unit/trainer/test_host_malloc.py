@@ -1,8 +1,10 @@
 """``keep_freed_heap``: with it, host memory a step frees is reused by the next step without
-page faults; without it (glibc's defaults) every round faults its pages in again. Each case runs
-in a fresh process (mallopt changes the whole process)."""
+page faults; without it (glibc's defaults) every round faults its pages in again. The ranks'
+``GLIBC_TUNABLES`` (``launch_tunables``): whole-step arrays fault 2 MiB pages, not 4 KiB. Each
+case runs in a fresh process (malloc's settings are the whole process's)."""
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -10,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from vapo_megatron.trainer.host_malloc import keep_freed_heap, user_malloc_setting
+from vapo_megatron.trainer.host_malloc import (
+    keep_freed_heap,
+    launch_tunables,
+    user_malloc_setting,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -60,6 +66,8 @@ def test_freed_blocks_are_reused_without_faults():
         ({"MALLOC_MMAP_THRESHOLD_": "1"}, "MALLOC_MMAP_THRESHOLD_"),
         ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, "GLIBC_TUNABLES"),
         ({"GLIBC_TUNABLES": "glibc.rtld.nns=2"}, None),
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, None),  # the launchers' own setting
+        ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0"}, "GLIBC_TUNABLES"),
         ({}, None),
     ],
 )
@@ -71,9 +79,9 @@ def test_the_users_own_malloc_settings_win(environ, owner):
 
 BIG_ROUND = textwrap.dedent(
     """
-    import resource, sys, torch
-    from vapo_megatron.trainer.host_malloc import keep_freed_heap, step_heap
-    applied = keep_freed_heap()
+    import resource, torch
+    from vapo_megatron.trainer.host_malloc import keep_freed_heap
+    keep_freed_heap()
 
     def one_round():  # two 64 MiB arrays (above any mmap threshold), written, then freed
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -81,49 +89,72 @@ BIG_ROUND = textwrap.dedent(
         del blocks
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-    def rounds(scoped):
-        with step_heap() if scoped else open("/dev/null"):
-            return [one_round() for _ in range(8)]
-
-    print(applied, min(rounds(sys.argv[1] == "scoped")[1:]))
+    print(min(one_round() for _ in range(4)))
     """
 )
 BIG_PAGES = 2 * (64 << 20) // 4096
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_step_heap_keeps_whole_step_arrays_and_ends_with_its_scope():
-    """Arrays above the mmap threshold are fresh mappings every round (every page faulted);
-    inside ``step_heap`` they come from the heap, and once it has grown to the rounds' layout
-    (after 2-5 rounds, by where the address space lets the heap grow: as a rank's faults fall
-    over the first steps in the bench) a round reuses the pages. Without it every round
-    faults. (That the scope's end turns mmap back on is held by the recorder below.)"""
+def thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode (the bracketed word), or None without THP."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
 
-    def run(mode):
+
+def glibc_at_least(major: int, minor: int) -> bool:
+    name, version = platform.libc_ver()
+    return name == "glibc" and tuple(int(p) for p in version.split(".")[:2]) >= (major, minor)
+
+
+@pytest.mark.skipif(
+    thp_mode() not in ("madvise", "always") or not glibc_at_least(2, 35),
+    reason="transparent huge pages for malloc need THP madvise/always and glibc >= 2.35",
+)
+def test_huge_pages_cut_the_faults_of_whole_step_arrays():
+    """Arrays above the mmap threshold are fresh mappings every round: with 4 KiB pages every
+    page faults; launched with the tunable the ranks get (``launch_tunables``) the kernel maps
+    them 2 MiB at a time. Where THP is ``always`` the kernel does so without the tunable, so
+    only the tuned case is held there."""
+
+    def faults(tunables: str | None) -> int:
+        env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)}
+        if tunables is not None:
+            env["GLIBC_TUNABLES"] = tunables
         out = subprocess.run(
-            [sys.executable, "-c", BIG_ROUND, mode], capture_output=True, text=True,
-            timeout=120, check=True, cwd=REPO,
-            env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)},
+            [sys.executable, "-c", BIG_ROUND], capture_output=True, text=True, timeout=120,
+            check=True, cwd=REPO, env=env,
         )  # fmt: skip
-        applied, best = out.stdout.split()
-        return applied == "True", int(best)
+        return int(out.stdout)
 
-    applied, scoped = run("scoped")
-    assert applied
-    assert scoped < BIG_PAGES // 10, f"{scoped} faults at best in step_heap ({BIG_PAGES} pages)"
-    _, unscoped = run("plain")
-    assert unscoped > BIG_PAGES // 2, f"outside step_heap: {unscoped} of {BIG_PAGES} pages"
+    tuned = faults(launch_tunables(None))
+    assert tuned < BIG_PAGES // 8, f"{tuned} faults with huge pages ({BIG_PAGES} 4 KiB pages)"
+    if thp_mode() == "madvise":
+        plain = faults(None)
+        assert plain > BIG_PAGES // 2, f"{plain} of {BIG_PAGES} pages faulted without the tunable"
 
 
-def test_step_heap_does_nothing_unless_the_heap_settings_were_applied(monkeypatch):
-    from vapo_megatron.trainer import host_malloc
+@pytest.mark.parametrize(
+    "given, launched",
+    [
+        (None, "glibc.malloc.hugetlb=1"),
+        ("", "glibc.malloc.hugetlb=1"),
+        ("glibc.rtld.nns=2", "glibc.rtld.nns=2:glibc.malloc.hugetlb=1"),
+        ("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0"),  # the user's choice stands
+        ("glibc.malloc.trim_threshold=1:glibc.malloc.hugetlb=2",
+         "glibc.malloc.trim_threshold=1:glibc.malloc.hugetlb=2"),
+    ],
+)  # fmt: skip
+def test_ranks_launch_with_huge_pages_unless_the_user_chose(given, launched):
+    assert launch_tunables(given) == launched
 
-    calls = []
-    monkeypatch.setattr(host_malloc, "_MALLOPT", None)
-    with host_malloc.step_heap():
-        pass
-    monkeypatch.setattr(host_malloc, "_MALLOPT", lambda *args: calls.append(args) or 1)
-    with host_malloc.step_heap(), host_malloc.step_heap():  # re-entrant: one switch
-        assert calls == [(host_malloc.M_MMAP_MAX, 0)]
-    assert calls[-1] == (host_malloc.M_MMAP_MAX, host_malloc.DEFAULT_MMAP_MAX)
-    assert len(calls) == 2
+
+def test_local_ranks_start_with_the_tunable():
+    from vapo_megatron.parallel.local_launch import run_local_ranks
+
+    command = [sys.executable, "-c", "import os; print('T=' + os.environ['GLIBC_TUNABLES'])"]
+    env = {"PATH": os.environ.get("PATH", ""), "GLIBC_TUNABLES": "glibc.rtld.nns=2"}
+    (out,) = run_local_ranks(command, 1, timeout=60, env=env)
+    assert "T=glibc.rtld.nns=2:glibc.malloc.hugetlb=1" in out
