@@ -269,7 +269,13 @@ class AdvantageExchange:
         for rank, (piece, dst) in enumerate(
             zip(received, self.dst.split(self.dst_sizes), strict=True)
         ):
-            out[dst] = critic_array[self.src[me]] if rank == me else piece
+            piece = critic_array[self.src[me]] if rank == me else piece
+            if piece.numel() != dst.numel():  # never broadcast one value over many positions
+                raise RuntimeError(
+                    f"rank {me} was sent {piece.numel()} advantages by host rank {rank}, which "
+                    f"owes it {dst.numel()}: the ranks disagree on the step's owners"
+                )
+            out[dst] = piece
         return out
 
 

@@ -36,8 +36,9 @@ only at process start, which is why it travels in the environment and is not set
 
 Tried and removed (docs/benchmarks.md, 2026-12-06): taking the whole-step arrays from the heap
 (``M_MMAP_MAX`` 0 around the step) saved the faults too, but the heap fragments around them: a
-rank's resident memory climbed step after step (1.70 to 2.25 GB over 12 steps at 8,192
-samples, with ~1.1 GB in use), where mappings given back each step hold it at 1.6-1.7 GB.
+rank's resident memory climbed step after step (to a 2.15-2.40 GB peak over 12 steps at 8,192
+samples, with ~1.1 GB in use at the peak), where mappings given back each step hold it at
+1.6-1.7 GB.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def keep_freed_heap(environ: Mapping[str, str] = os.environ) -> bool:
     if HUGEPAGE_TUNABLE not in tunable_names(environ.get("GLIBC_TUNABLES", "")):
         logger.info(
             "host malloc: started without GLIBC_TUNABLES=%s=1 (vapo-train's local ranks and "
-            "slurm/ set it; export it where you launch ranks yourself): each step's big host "
-            "arrays are faulted in 4 KiB pages", HUGEPAGE_TUNABLE,
+            "slurm/ set it; export it where you launch ranks yourself): unless THP is 'always', "
+            "the kernel faults each step's big host arrays in 4 KiB pages", HUGEPAGE_TUNABLE,
         )  # fmt: skip
     own = user_malloc_setting(environ)
     if own is not None:

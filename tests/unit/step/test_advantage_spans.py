@@ -1,6 +1,7 @@
-"""``routed_route._fill_spans``: how a rank lays the advantages it was sent (pieces of whole
-samples, end to end) into the spans of its policy buffer, and the error where a sender and
-this rank disagree on how many it is owed."""
+"""How a rank lays the advantages it was sent into its policy buffer: ``_fill_spans`` (pieces
+of whole samples, end to end, into spans) and ``AdvantageExchange.send`` from CP chunks (values
+to positions), each with the error where a sender and this rank disagree on how many it is
+owed (never a silent broadcast of one value)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,40 @@ def test_a_piece_of_the_wrong_length_is_refused(sent):
     out = torch.zeros(5, device="cpu")
     with pytest.raises(RuntimeError, match=f"rank 1 was sent {sent} advantages .* owes it 3"):
         _fill_spans(out, [(0, 1), (3, 5)], [torch.ones(sent, device="cpu")], 1)
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+
+
+def positions_exchange(src: list[int], dst: list[int], num_tokens: int):
+    """An exchange from CP chunks as ``AdvantageExchange.__init__`` leaves it on one rank:
+    this rank's own tokens at ``src`` of its critic buffer go to ``dst`` of its policy
+    buffer."""
+    from vapo_megatron.step.routed_route import AdvantageExchange
+
+    exchange = AdvantageExchange.__new__(AdvantageExchange)
+    exchange.host_group, exchange.num_tokens, exchange.whole = None, num_tokens, False
+    exchange.src = [torch.tensor(src, dtype=torch.long, device="cpu")]
+    exchange.dst = torch.tensor(dst, dtype=torch.long, device="cpu")
+    exchange.dst_sizes = [len(dst)]
+    return exchange
+
+
+def test_positions_place_each_value(one_rank):
+    exchange = positions_exchange([2, 0], [1, 3], num_tokens=4)
+    out = exchange.send(torch.tensor([10.0, 11.0, 12.0], device="cpu"))
+    assert out.tolist() == [0, 12, 0, 10]
+
+
+def test_positions_never_broadcast_one_value_over_many(one_rank):
+    exchange = positions_exchange([2], [1, 3], num_tokens=4)
+    with pytest.raises(
+        RuntimeError, match="rank 0 was sent 1 advantages by host rank 0, which owes it 2"
+    ):
+        exchange.send(torch.tensor([10.0, 11.0, 12.0], device="cpu"))
