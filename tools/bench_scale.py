@@ -46,7 +46,10 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_SAMPLES = 8192
-STEPS = int(os.environ.get("BENCH_SCALE_STEPS", "4"))
+_STEPS = os.environ.get("BENCH_SCALE_STEPS", "4")
+if not _STEPS.isdigit() or int(_STEPS) < 2:
+    raise SystemExit(f"BENCH_SCALE_STEPS={_STEPS!r}: give a whole number of steps, at least 2")
+STEPS = int(_STEPS)
 """Steps run (``BENCH_SCALE_STEPS``, at least 2); the first pays one-time costs, the best of
 the others is reported. Each rank's peak memory is printed after every step: a run of more
 steps shows whether it keeps growing (as a fragmenting heap's did: docs/benchmarks.md)."""
@@ -268,8 +271,6 @@ def run(quick: bool = False, samples: int | None = None, mixed: bool = False) ->
     layout: the shard path)."""
     from vapo_megatron.parallel.local_launch import run_local_ranks
 
-    if STEPS < 2:
-        raise SystemExit(f"BENCH_SCALE_STEPS={STEPS}: the bench needs at least 2 steps")
     samples = samples or (256 if quick else STEP_SAMPLES)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
