@@ -46,13 +46,19 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_SAMPLES = 8192
-_STEPS = os.environ.get("BENCH_SCALE_STEPS", "4")
-if not _STEPS.isdigit() or int(_STEPS) < 2:
-    raise SystemExit(f"BENCH_SCALE_STEPS={_STEPS!r}: give a whole number of steps, at least 2")
-STEPS = int(_STEPS)
-"""Steps run (``BENCH_SCALE_STEPS``, at least 2); the first pays one-time costs, the best of
-the others is reported. Each rank's peak memory is printed after every step: a run of more
-steps shows whether it keeps growing (as a fragmenting heap's did: docs/benchmarks.md)."""
+
+
+def bench_steps() -> int:
+    """Steps run (``BENCH_SCALE_STEPS``, default 4, at least 2); the first pays one-time costs,
+    the best of the others is reported. Each rank's peak memory is printed after every step: a
+    run of more steps shows whether it keeps growing (as a fragmenting heap's did:
+    docs/benchmarks.md)."""
+    steps = os.environ.get("BENCH_SCALE_STEPS", "4")
+    if not steps.isdigit() or int(steps) < 2:
+        raise SystemExit(f"BENCH_SCALE_STEPS={steps!r}: give a whole number of steps, at least 2")
+    return int(steps)
+
+
 PROMPT_TOKENS = 300
 
 
@@ -271,11 +277,12 @@ def run(quick: bool = False, samples: int | None = None, mixed: bool = False) ->
     layout: the shard path)."""
     from vapo_megatron.parallel.local_launch import run_local_ranks
 
+    steps = bench_steps()
     samples = samples or (256 if quick else STEP_SAMPLES)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONWARNINGS"] = "ignore"
-    command = [sys.executable, __file__, "--worker", str(samples), str(STEPS), str(int(mixed))]
+    command = [sys.executable, __file__, "--worker", str(samples), str(steps), str(int(mixed))]
     start = time.perf_counter()
     outputs = run_local_ranks(command, 2, timeout=1800, env=env, cwd=REPO)
     wall = time.perf_counter() - start
@@ -291,12 +298,12 @@ def run(quick: bool = False, samples: int | None = None, mixed: bool = False) ->
     phases = PHASES
     # A step takes as long as its slowest rank; the best of the steps after the first (which
     # pays one-time costs) is the code's cost, the others add the shared machine's noise.
-    per_step = [max(r["steps"][k]["bookkeeping_s"] for r in results) for k in range(STEPS)]
+    per_step = [max(r["steps"][k]["bookkeeping_s"] for r in results) for k in range(steps)]
     layouts = "policy TP2 x critic DP2" if mixed else "DP2 both"
     path = results[0]["path"]
-    best = min(range(1, STEPS), key=per_step.__getitem__)
+    best = min(range(1, steps), key=per_step.__getitem__)
     print(f"{samples} samples per step, {results[0]['response_tokens']:,} response tokens, "
-          f"2 gloo ranks ({layouts}), {path} path; steps 2-{STEPS} took "
+          f"2 gloo ranks ({layouts}), {path} path; steps 2-{steps} took "
           + ", ".join(f"{t:.2f}" for t in per_step[1:])
           + f" s, best is step {best + 1}; wall {wall:.0f} s")  # fmt: skip
     print(
@@ -312,15 +319,15 @@ def run(quick: bool = False, samples: int | None = None, mixed: bool = False) ->
     host_gb = max(r["base_gb"] + (r["peak_gb"] - r["base_gb"]) * scale for r in results)
     route_s = max(r["steps"][best]["route"] for r in results) * scale
     routed = sum(r["steps"][best]["routed_tokens"] for r in results) * scale
-    cpu = [[r["steps"][k]["cpu_s"] for k in range(1, STEPS)] for r in results]
+    cpu = [[r["steps"][k]["cpu_s"] for k in range(1, steps)] for r in results]
     print("CPU s per step and rank (the stubbed generation included; steps 2-"
-          f"{STEPS}): " + "; ".join(" ".join(f"{c:.2f}" for c in row) for row in cpu))  # fmt: skip
-    faults = [[r["steps"][k]["faults"] / 1000 for k in range(1, STEPS)] for r in results]
-    sys_s = [[r["steps"][k]["sys_s"] for k in range(1, STEPS)] for r in results]
+          f"{steps}): " + "; ".join(" ".join(f"{c:.2f}" for c in row) for row in cpu))  # fmt: skip
+    faults = [[r["steps"][k]["faults"] / 1000 for k in range(1, steps)] for r in results]
+    sys_s = [[r["steps"][k]["sys_s"] for k in range(1, steps)] for r in results]
     print("of which system (the kernel, mostly zeroing fresh pages) and thousands of page "
           "faults: " + "; ".join(" ".join(f"{c:.2f}" for c in row) for row in sys_s)
           + " s; " + "; ".join(" ".join(f"{c:.0f}k" for c in row) for row in faults))  # fmt: skip
-    peaks = [[r["steps"][k]["peak_gb"] for k in range(STEPS)] for r in results]
+    peaks = [[r["steps"][k]["peak_gb"] for k in range(steps)] for r in results]
     print("peak host GB per rank after each step: "
           + "; ".join(" ".join(f"{g:.2f}" for g in row) for row in peaks))  # fmt: skip
     print(f"routed advantages: {routed:,.0f} tokens to another rank, {route_s:.2f} s (in the "
