@@ -240,14 +240,11 @@ class AdvantageExchange:
             return self._send_positions(critic_array, me)
         sizes = [sum(b - a for a, b in spans) for spans in self.send_spans]
         sizes[me] = 0  # kept here: no copy into the send buffer and back out of gloo
-        x = torch.empty(sum(sizes), dtype=torch.float32, device=HOST)
-        done = 0
-        for rank, spans in enumerate(self.send_spans):
-            for a, b in spans if rank != me else ():
-                x[done : done + b - a] = critic_array[a:b]
-                done += b - a
-        received = collectives.all_to_all_flat(x, sizes, self.host_group)
-        del x
+
+        def write(rank: int, buffer: torch.Tensor) -> None:
+            torch.cat([critic_array[a:b] for a, b in self.send_spans[rank]], out=buffer)
+
+        received = self._exchange(sizes, write)
         out = torch.zeros(self.num_tokens, dtype=torch.float32, device=HOST)
         for rank, (piece, spans) in enumerate(zip(received, self.recv_spans, strict=True)):
             chunks = [critic_array[a:b] for a, b in self.send_spans[me]] if rank == me else [piece]
@@ -257,14 +254,11 @@ class AdvantageExchange:
     def _send_positions(self, critic_array: torch.Tensor, me: int) -> torch.Tensor:
         """``send`` from CP chunks: the values at ``src`` of each receiver, to its ``dst``."""
         sizes = [src.numel() if rank != me else 0 for rank, src in enumerate(self.src)]
-        x = torch.empty(sum(sizes), dtype=torch.float32, device=HOST)
-        done = 0
-        for rank, src in enumerate(self.src):
-            if rank != me:
-                torch.index_select(critic_array, 0, src, out=x[done : done + src.numel()])
-                done += src.numel()
-        received = collectives.all_to_all_flat(x, sizes, self.host_group)
-        del x
+
+        def write(rank: int, buffer: torch.Tensor) -> None:
+            torch.index_select(critic_array, 0, self.src[rank], out=buffer)
+
+        received = self._exchange(sizes, write)
         out = torch.zeros(self.num_tokens, dtype=torch.float32, device=HOST)
         for rank, (piece, dst) in enumerate(
             zip(received, self.dst.split(self.dst_sizes), strict=True)
@@ -277,6 +271,16 @@ class AdvantageExchange:
                 )
             out[dst] = piece
         return out
+
+    def _exchange(self, sizes: list[int], write) -> list[torch.Tensor]:
+        """``collectives.all_to_all_flat`` of one float32 send buffer whose piece for rank r
+        (``sizes[r]`` values) ``write(r, piece)`` fills in place; the buffer is freed on
+        return, before the caller makes its [policy buffer]."""
+        x = torch.empty(sum(sizes), dtype=torch.float32, device=HOST)
+        for rank, piece in enumerate(x.split(sizes)):
+            if piece.numel():
+                write(rank, piece)
+        return collectives.all_to_all_flat(x, sizes, self.host_group)
 
 
 def _fill_spans(
