@@ -34,7 +34,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from vapo_megatron.train import quiet_dependencies  # noqa: E402
+from vapo_megatron.train import check_before_ranks, quiet_dependencies  # noqa: E402
 
 quiet_dependencies()
 
@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         config = load_recipe(args.recipe, args.overrides)
+        # Before --fresh deletes anything and the warm-up trains for minutes: vapo-train's
+        # own refusal (again once the model is built, against it).
+        check_before_ranks(config, config.trainer.local_world_size)
         run_dir = Path(config.trainer.run_dir)
         summary_path = run_dir / "summary.json"
         done = json.loads(summary_path.read_text()) if summary_path.is_file() else {}

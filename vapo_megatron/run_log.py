@@ -111,9 +111,11 @@ class RankLogHandler(logging.Handler):
 _rank_log: RankLogHandler | None = None
 
 
-def setup_logging() -> None:
+def setup_logging(*, route_transformers: bool = True) -> None:
     """The console and the rank's log file (once :func:`open_rank_log` names it) for this
-    process; the rank comes from ``RANK`` (0 when unset)."""
+    process; the rank comes from ``RANK`` (0 when unset). ``route_transformers=False``: a
+    process that never imports transformers (vapo-train's launcher: it only checks the recipe
+    and starts the ranks) does not pay seconds to import it here."""
     global _rank_log
     rank = int(os.environ.get("RANK", "0"))
     root = logging.getLogger()
@@ -133,7 +135,8 @@ def setup_logging() -> None:
     logging.captureWarnings(True)  # Python warnings become records of logger "py.warnings"
     # vLLM's INFO notes repeat every step (prefix-cache resets after each sync): warnings only.
     logging.getLogger("vllm").setLevel(logging.WARNING)
-    _route_transformers()
+    if route_transformers:
+        _route_transformers()
 
 
 def _route_transformers() -> None:

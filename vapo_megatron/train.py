@@ -42,12 +42,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
+def check_before_ranks(config, world_size: int) -> None:
+    """The ranks' start-up checks of the recipe (``TrainConfig.check``, each layout against
+    its model and the world, a critic.init_path that is not there), run once before any rank
+    starts: a bad recipe fails in seconds, not after the ranks have imported everything, with
+    the message a rank would give. A model not yet written (model.create_tiny's first run) is
+    checked by the ranks."""
+    from vapo_megatron.config.checks import check_critic_start, check_layouts_on_models
+    from vapo_megatron.models.config import HFModelConfig
+    from vapo_megatron.weights import hf_io
+
+    config.check(world_size)
+    paths = {"policy": config.model.path, "critic": config.critic.model or config.model.path}
+    models = {
+        role: (path, HFModelConfig.from_hf(hf_io.read_config(path)))
+        for role, path in paths.items()
+        if (Path(path) / hf_io.CONFIG_NAME).is_file()
+    }
+    check_layouts_on_models(config, models, world_size)
+    # A run directory's pretrained critic (complete or not: the ranks look closer) skips it.
+    pretrained = Path(config.trainer.run_dir) / "critic_pretrained"
+    check_critic_start(config, has_pretrained_critic=pretrained.exists())
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_dependencies()
-    setup_logging()
     args = parse_args(argv)
     from vapo_megatron.config.recipe import load_recipe
     from vapo_megatron.parallel.local_launch import relaunch_as_local_ranks, under_launcher
+
+    # A plain start only checks the recipe and starts the ranks: no transformers to route.
+    setup_logging(route_transformers=args.dry_run or under_launcher())
 
     try:
         config = load_recipe(args.recipe, args.overrides)
@@ -61,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             dry_run_report.run(config, model=args.model, world_size=world, ranks=ranks)
             return 0
         if not under_launcher():  # every rank, even a single one, gets the launcher environment
+            check_before_ranks(config, config.trainer.local_world_size)
             logs = Path(config.trainer.run_dir) / "logs"
             logging.info(
                 "starting %d local ranks (the others log to %s)",

@@ -1,7 +1,7 @@
 """The package's shape, read from the source: arrows point one way (no import circle; algorithms/
 imports nothing of the project; rollout/ no Megatron and nothing of models/), no module reaches
 another's ``_private`` names, reading a recipe imports no Megatron, and no function is too long
-to read at once (docs/design.md, /work/shared/STYLE.md items 11-12)."""
+to read at once (docs/design.md, ../shared/STYLE.md items 11-12)."""
 
 from __future__ import annotations
 

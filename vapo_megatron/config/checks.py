@@ -5,11 +5,17 @@ run, with a ValueError naming the values and the fix. Also how the critic can be
 from __future__ import annotations
 
 import logging
+import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vapo_megatron.algorithms.config import AlgoConfig
+from vapo_megatron.config.layout import layout_sizes
+
 if TYPE_CHECKING:  # train.py imports this module to run the checks
     from vapo_megatron.config.train import TrainConfig
+    from vapo_megatron.models.config import HFModelConfig
 
 
 def check_layouts_fit(config: TrainConfig, world_size: int) -> None:
@@ -31,6 +37,33 @@ def check_layouts_fit(config: TrainConfig, world_size: int) -> None:
             f"rollout.tensor_parallel_size={rollout_tp} does not divide the "
             f"world size {world_size}; each group of that many ranks forms one vLLM engine"
         )
+
+
+def check_layouts_on_models(
+    config: TrainConfig, models: Mapping[str, tuple[str, HFModelConfig]], world_size: int
+) -> None:
+    """Each model's layout fits its model (heads, layers, experts: ``ModelLayout.check``) and
+    its expert groups fit the world, naming the setting and the model. ``models``: "policy"
+    and, with a critic, "critic" -> (HF directory, its config); a model not in it (not yet
+    written: model.create_tiny) is checked by the ranks once it is. The model comes first: an
+    ep on a dense model is that, not an arithmetic problem."""
+    roles = ["policy", "critic"] if config.algorithm.uses_critic else ["policy"]
+    for role in roles:
+        layout = getattr(config, role).layout
+        if role in models:
+            path, hf = models[role]
+            try:
+                layout.check(hf, name=f"{role}.layout", model=path)
+            except ValueError as err:
+                named = str(err).startswith(f"{role}.layout")
+                raise ValueError(str(err) if named else f"{role}.layout ({path}): {err}") from None
+        try:
+            layout_sizes(
+                tp=layout.tp, pp=layout.pp, cp=layout.cp, world_size=world_size,
+                ep=layout.ep, etp=layout.etp,
+            )  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"{role}.layout: {err}") from None
 
 
 def check_batches(config: TrainConfig) -> None:
@@ -87,13 +120,34 @@ def check_tiny_task(config: TrainConfig) -> None:
 
 
 def check_sampling(config: TrainConfig) -> None:
-    """Several samples of a prompt are not all the same greedy response."""
-    temperature, samples = config.rollout.temperature, config.algorithm.samples_per_prompt
-    if temperature <= 0 and samples > 1:
+    """Temperatures are >= 0 and top_p in (0, 1]; several samples of a prompt are not all the
+    same greedy response; the policy's updates read log-probs at a temperature > 0."""
+    rollout, samples = config.rollout, config.algorithm.samples_per_prompt
+    for name, temperature, top_p in (
+        ("rollout", rollout.temperature, rollout.top_p),
+        ("eval", config.eval.temperature, config.eval.top_p),
+    ):
+        if not temperature >= 0:  # NaN too
+            raise ValueError(
+                f"{name}.temperature={temperature} is not a temperature: give one > 0 (1.0 "
+                "samples the policy as it is, lower sharpens it) or 0 for greedy decoding"
+            )
+        if not 0 < top_p <= 1:
+            raise ValueError(
+                f"{name}.top_p={top_p} must be in (0, 1]: the probability mass nucleus "
+                "sampling keeps (1.0 keeps every token)"
+            )
+    if rollout.temperature == 0 and samples > 1:
         raise ValueError(
-            f"rollout.temperature={temperature} is greedy: all "
-            f"{samples} samples of a prompt would be the same; use a "
-            "temperature > 0 or samples_per_prompt=1"
+            f"rollout.temperature=0 is greedy: all {samples} samples of a prompt would be the "
+            "same; use a temperature > 0 or algorithm.samples_per_prompt=1"
+        )
+    if rollout.temperature == 0 and config.trainer.steps:
+        raise ValueError(
+            "rollout.temperature=0 is greedy, but the policy's updates need its log-probs at "
+            "the sampling temperature, which greedy decoding has none of: use a temperature "
+            f"> 0 (every recipe's is 1.0), or trainer.steps=0 (critic pretraining only; "
+            f"trainer.steps={config.trainer.steps})"
         )
 
 
@@ -117,7 +171,7 @@ def check_critic_init(config: TrainConfig) -> None:
             "tools/convert.py hf-to-mcore --critic-from reward-model, or an HF "
             "*ForSequenceClassification directory) or critic.model (a reward model's HF "
             "directory); set one, or set algorithm.critic_init=policy to start the critic "
-            "from the policy's weights"
+            f"from the policy's weights (algorithm.critic_init takes {critic_init_values()})"
         )
 
 
@@ -156,13 +210,13 @@ def check_critic_context(config: TrainConfig, max_positions: int, model: str) ->
         )
 
 
-def check_gae_path(gae_path: str | None) -> None:
+def check_gae_path(gae_path: object) -> None:
     """trainer.gae_path was removed (issue 28): the step has one data path for any pair of
-    layouts. "auto" (what every resolved config of an earlier run holds) is accepted with a
-    deprecation warning; "shards"/"flat" asked for a path that is gone: an error."""
-    if gae_path is None:
-        return
-    if gae_path == "auto":
+    layouts. The recipe loader calls this for the key (``recipe.REMOVED_KEYS``) instead of
+    offering it among the valid ones. null, and "auto" (what resolved configs of earlier runs
+    hold), are accepted with a deprecation warning; "shards"/"flat" asked for a path that is
+    gone: an error."""
+    if gae_path in (None, "auto"):
         logging.getLogger("vapo_megatron").warning(
             "trainer.gae_path is deprecated and ignored: every step takes the routed path "
             "(step/routed_route.py); delete the key"
@@ -177,9 +231,8 @@ def check_gae_path(gae_path: str | None) -> None:
 
 
 def check_loop(config: TrainConfig) -> None:
-    """The loop's path choice, collective timeout and checkpoint count are valid."""
+    """The loop's collective timeout and checkpoint count are valid."""
     trainer = config.trainer
-    check_gae_path(trainer.gae_path)
     if trainer.dist_timeout_minutes <= 0:
         raise ValueError(
             f"trainer.dist_timeout_minutes must be > 0, got {trainer.dist_timeout_minutes}"
@@ -198,11 +251,19 @@ def critic_start_help(config: TrainConfig, *, rm_dir: str = "RM_DIR") -> str:
         f"either convert a reward model (a one-label *ForSequenceClassification of any "
         f"supported size with the policy's tokenizer; critic.model=its HF directory when it is "
         f"not the policy's model): `{convert} --hf {rm_dir} --out {path} "
-        f"--critic-from reward-model`; or start the critic from the policy: `{convert} --hf "
-        f"{config.model.path} --out CRITIC_DIR --critic-from policy` with "
-        "algorithm.critic_init=policy critic.init_path=CRITIC_DIR (value pretraining then starts "
-        "from a zero value head: give it more steps, algorithm.value_pretrain_steps)"
+        f"--critic-from reward-model` with algorithm.critic_init=reward_model; or start the "
+        f"critic from the policy: `{convert} --hf {config.model.path} --out CRITIC_DIR "
+        "--critic-from policy` with algorithm.critic_init=policy critic.init_path=CRITIC_DIR "
+        "(value pretraining then starts from a zero value head: give it more steps, "
+        f"algorithm.value_pretrain_steps). algorithm.critic_init takes {critic_init_values()} "
+        "(convert's --critic-from spells the first reward-model)"
     )
+
+
+def critic_init_values() -> str:
+    """algorithm.critic_init's accepted values, as a recipe or an override writes them."""
+    values = typing.get_args(typing.get_type_hints(AlgoConfig)["critic_init"])
+    return " or ".join(values)
 
 
 def check_critic_start(config: TrainConfig, *, has_pretrained_critic: bool = False) -> None:

@@ -35,8 +35,10 @@ class ModelLayout:
         """The expert tensor-parallel size in effect (``etp``, else ``tp``)."""
         return self.tp if self.etp is None else self.etp
 
-    def check(self, hf: HFModelConfig) -> None:
-        """ValueError naming the value and the fix for a layout the model cannot take."""
+    def check(self, hf: HFModelConfig, *, name: str = "", model: str = "") -> None:
+        """ValueError naming the value and the fix for a layout the model cannot take.
+        ``name``: the layout's place in the recipe ("policy.layout"), ``model``: the model's
+        directory; both named in the messages that say which setting to drop."""
         if min(self.tp, self.pp, self.cp) < 1 or (self.vpp is not None and self.vpp < 1):
             raise ValueError(f"parallel sizes must be >= 1, got {self}")
         if self.sequence_parallel and self.tp == 1:
@@ -54,17 +56,14 @@ class ModelLayout:
             raise ValueError(
                 f"pp * vpp = {stages} must divide num_layers={hf.num_layers}; change pp or vpp"
             )
-        self._check_experts(hf)
+        self._check_experts(hf, name, model)
 
-    def _check_experts(self, hf: HFModelConfig) -> None:
+    def _check_experts(self, hf: HFModelConfig, name: str, model: str) -> None:
         if min(self.ep, self.expert_tp) < 1:
             raise ValueError(f"ep and etp must be >= 1, got ep={self.ep}, etp={self.etp}")
         if not hf.is_moe:
             if self.ep != 1 or self.etp not in (None, self.tp):
-                raise ValueError(
-                    f"ep={self.ep}, etp={self.etp} on a dense {hf.family} model (no experts); "
-                    "set ep=1 and etp=null"
-                )
+                raise ValueError(self._dense_experts_message(hf, name, model))
             return
         if hf.num_experts % self.ep:
             raise ValueError(
@@ -82,6 +81,18 @@ class ModelLayout:
                 f"an MoE model at tp={self.tp} needs sequence_parallel=true (megatron-core's "
                 "MoE layer refuses tensor parallelism without it in training)"
             )
+
+    def _dense_experts_message(self, hf: HFModelConfig, name: str, model: str) -> str:
+        """Why a dense model takes no expert parallelism, and which settings to drop."""
+        key = f"{name}." if name else ""
+        given = [f"{key}ep={self.ep}"] if self.ep != 1 else []
+        given += [f"{key}etp={self.etp}"] if self.etp not in (None, self.tp) else []
+        which = f"{model} is" if model else "this model is"
+        return (
+            f"{', '.join(given)}: expert parallelism needs a mixture-of-experts model (such as "
+            f"the qwen3_moe family), but {which} a dense {hf.family} model (no experts). Drop "
+            f"{key}ep and {key}etp from the recipe (ep=1, etp=null), or train an MoE model"
+        )
 
 
 def layout_sizes(

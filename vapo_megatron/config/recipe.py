@@ -5,7 +5,8 @@ recipe) is loaded first and the recipe's keys are merged over it, mapping by map
 ablation is a few lines. ``algorithm.preset`` names an algorithm preset whose values the
 other ``algorithm`` keys override. Command-line overrides are ``dotted.key=value`` with the
 value read as YAML (``trainer.steps=10``, ``policy.layout.tp=2``, ``eval.max_prompts=null``).
-An unknown key is a ValueError naming the closest valid key; a wrong type names the field;
+An unknown key is a ValueError naming the closest valid key (a removed one, ``REMOVED_KEYS``,
+gets its removal's message instead); a wrong type names the field;
 a negative integer names the field and what it is (every integer setting is a count, a size,
 a length or a seed).
 """
@@ -20,16 +21,21 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from vapo_megatron.algorithms.presets import PRESETS
+from vapo_megatron.config.checks import check_gae_path
 from vapo_megatron.config.train import TrainConfig
 
 MAX_BASE_DEPTH = 8
+REMOVED_KEYS: dict[str, Callable[[Any], None]] = {"trainer.gae_path": check_gae_path}
+"""Settings that were removed, each with what to do with a recipe that still sets it (warn
+and ignore, or refuse naming the removal). They are no fields, so no unknown-key error
+offers them among the valid keys."""
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -123,6 +129,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
+        if _join(where, key) in REMOVED_KEYS:
+            REMOVED_KEYS[_join(where, key)](value)
+            continue
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean {_join(where, close[0])}?" if close else ""

@@ -210,10 +210,6 @@ class TrainerSettings:
     """Token budget of one packed micro-batch per rank (a longer sample gets one of its own)."""
     whiten_advantages: bool = False
     """Normalise advantages to zero mean, unit std over the step's response tokens."""
-    gae_path: str | None = None
-    """Removed (issue 28): every step takes the one routed path (``step/routed_route.py``).
-    None; "auto" (the old default, in resolved configs of earlier runs) is accepted with a
-    deprecation warning; "shards" or "flat" is an error."""
     max_sampling_rounds: int = 4
     """Dynamic sampling: at most this many rollout rounds to fill the batch."""
     seed: int = 1

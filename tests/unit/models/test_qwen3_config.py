@@ -74,7 +74,7 @@ def test_expert_layouts_are_checked(tokenizer):
         ModelLayout(ep=1, etp=64).check(moe)
     with pytest.raises(ValueError, match="at tp=2 needs sequence_parallel=true"):
         ModelLayout(ep=1, tp=2).check(moe)
-    with pytest.raises(ValueError, match="on a dense qwen3 model"):
+    with pytest.raises(ValueError, match="is a dense qwen3 model"):
         ModelLayout(ep=2).check(dense)
 
 

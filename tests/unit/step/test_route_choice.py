@@ -4,7 +4,6 @@ routed step against a single-rank reference: tests/distributed/step/test_shard_p
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,20 +62,6 @@ def test_cp_with_pp_needs_no_other_path():
     layout = ModelLayout(pp=2, cp=2)
     choice = choose_path([engine(layout, 8), engine(layout, 8)], host_group=None)
     assert choice.name == "shards", choice.reason
-
-
-def test_gae_path_is_removed(caplog):
-    """A recipe asking for a path by name is refused, naming the removal; "auto" (the old
-    default, in earlier runs' resolved configs) loads with a deprecation warning."""
-    for value in ("flat", "shards"):
-        config = load_recipe(RECIPES / "tiny_cpu.yaml", [f"trainer.gae_path={value}"])
-        with pytest.raises(ValueError, match="trainer.gae_path=.*removed.*delete trainer.gae_path"):
-            config.check(world_size=2)  # the trainer's start-up check
-    config = load_recipe(RECIPES / "tiny_cpu.yaml", ["trainer.gae_path=auto"])
-    with caplog.at_level(logging.WARNING, logger="vapo_megatron"):
-        config.check(world_size=2)
-    assert "trainer.gae_path is deprecated and ignored" in caplog.text
-    assert load_recipe(RECIPES / "tiny_cpu.yaml").trainer.gae_path is None
 
 
 def test_step_share_owns_each_sample_once_balanced_per_minibatch():
