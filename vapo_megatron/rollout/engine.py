@@ -30,6 +30,11 @@ from vapo_megatron.rollout.module_tensors import (
     restore_unsaved_module_tensors,
     save_unsaved_module_tensors,
 )
+from vapo_megatron.rollout.output_rank import (
+    engine_scheduler,
+    leave_routes_to_output_rank,
+    vllm_tp_rank,
+)
 from vapo_megatron.rollout.prefetch import Prefetcher
 from vapo_megatron.rollout.route_recorder import ROUTE_DTYPE, RouteRecorder
 from vapo_megatron.rollout.sleep_state import SleepLevel, SleepState, TrainingStateOffload
@@ -133,9 +138,10 @@ class RolloutSample:
     finish_reason: Literal["stop", "length"]
     """'stop': a stop token was generated; 'length': max_new_tokens (or max_model_len) was reached."""
     routes: torch.Tensor | None = None
-    """With ``record_routes``: int16 [P + L - 1, layers, top_k], the routed experts of every
-    token the engine forwarded (the prompt, then the response but its last token), vLLM's
-    ``CompletionOutput.routed_experts`` layout (``rollout/route_recorder.py``); else None."""
+    """With ``record_routes``, on a replica's first rank: int16 [P + L - 1, layers, top_k], the
+    routed experts of every token the engine forwarded (the prompt, then the response but its
+    last token), vLLM's ``CompletionOutput.routed_experts`` layout
+    (``rollout/route_recorder.py``); else None (the replica's other ranks too)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,6 +266,12 @@ class RolloutEngine:
         np.random.set_state(rng_states[1])
         torch.set_rng_state(rng_states[2])
         self.llm.collective_rpc("init_weight_transfer_engine", args=({},))
+        self._start_routes(executor)
+
+    def _start_routes(self, executor: str) -> None:
+        """Routing replay's state: the routes' shape on every rank, and where ``generate``
+        returns them (a replica's first rank; vLLM's connector, or the CPU recorder)."""
+        config = self.config
         self.route_shape: tuple[int, int] | None = None
         """(layers, top_k) of each token's routes with ``record_routes``; else None."""
         if config.record_routes:
@@ -268,8 +280,14 @@ class RolloutEngine:
                 model_config.get_total_num_hidden_layers(),
                 model_config.get_num_experts_per_tok(),
             )
+        self.returns_routes = config.record_routes and self.replica_rank == 0
+        """Whether ``generate`` returns routes here: vLLM returns a replica's routes on its first
+        rank only (``rollout/output_rank.py``), and the CPU recorder keeps that contract."""
         self.route_recorder = None
-        if config.record_routes and self.is_cpu:
+        if config.record_routes and not self.is_cpu:
+            tp_rank = vllm_tp_rank(self.replica_rank) if executor == "external_launcher" else 0
+            leave_routes_to_output_rank(engine_scheduler(self.llm), tp_rank)
+        if self.returns_routes and self.is_cpu:
             self.route_recorder = RouteRecorder()
             self.llm.collective_rpc(self.route_recorder.attach)
 
@@ -353,7 +371,7 @@ class RolloutEngine:
 
     def _routes(self, output, completion, n: int) -> torch.Tensor | None:
         """A completion's routed experts, int16 [P + L - 1, layers, top_k] (or None)."""
-        if not self.config.record_routes:
+        if not self.returns_routes:
             return None
         num_tokens = len(output.prompt_token_ids) + len(completion.token_ids)
         if self.route_recorder is not None:
