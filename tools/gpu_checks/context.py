@@ -31,6 +31,11 @@ class Context:
     """(whether transformer_engine imports, its version or the error)."""
     transformers: tuple[bool, str]
     results: Results
+    vllm: tuple[bool, str] = (False, "not looked for")
+    """(whether vLLM is installed, its version or why not); found, not imported (``vllm_routes``
+    imports it in its own ranks)."""
+    gpus: int = 0
+    """CUDA devices visible (0 with --cpu): parts that launch 2 ranks need 2."""
     hf: HFModelConfig = field(default_factory=lambda: HFModelConfig.from_hf(HF_CONFIG))
     algo: AlgoConfig = field(default_factory=lambda: algo_preset("vapo"))
     step: StepData | None = None

@@ -12,7 +12,15 @@ import torch
 
 
 class Skipped(Exception):
-    """A part that cannot run here; its message says why."""
+    """A part that cannot run here; its message says why. ``missing``: what is absent that
+    the part needs, a library (``"transformer_engine"``, ``"vllm"``, ``"transformers"``) or
+    ``"devices"`` (fewer GPUs than it launches on); None where the part is not meant to run
+    at all (``--cpu``: no CUDA). On a GPU a skip with ``missing`` set fails the check when the
+    recipe needs the part (``verdict.py``)."""
+
+    def __init__(self, reason: str, *, missing: str | None = None) -> None:
+        super().__init__(reason)
+        self.missing = missing
 
 
 class CheckFailed(Exception):
@@ -52,13 +60,13 @@ class Results:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
-        status, error = "ok", None
+        status, error, missing = "ok", None, None
         try:
             part(numbers)
             if cuda:
                 torch.cuda.synchronize(self.device)  # a kernel's error shows here
         except Skipped as skip:
-            status, error = "skipped", str(skip)
+            status, error, missing = "skipped", str(skip), skip.missing
         except CheckFailed as err:  # a number out of bounds: the line says it all
             status, error = "failed", f"CheckFailed: {err}"
         except Exception as err:
@@ -73,6 +81,8 @@ class Results:
         self.parts[name] = {"status": status, "seconds": round(seconds, 3), **numbers}
         if error is not None:
             self.parts[name]["error"] = error[:2000]
+        if missing is not None:
+            self.parts[name]["missing"] = missing
         shown = "  ".join(f"{k}={fmt(v)}" for k, v in numbers.items())
         line = f"{name:<20} {status:<8} {seconds:7.2f} s  {shown}"
         if error is not None:
@@ -88,32 +98,6 @@ class Results:
             "error": f"timed out: the check passed --timeout {limit:g} s in this part",
         }
         print(f"{name:<20} failed   (timed out after --timeout {limit:g} s)", flush=True)
-
-
-def summary(
-    parts: dict[str, dict],
-    names: list[str],
-    optional: set[str],
-    header: dict,
-    started: float,
-) -> dict:
-    """The last line's JSON: ``ok`` only when every part of ``names`` ran and passed, a skip
-    of an ``optional`` part excepted."""
-    parts = dict(parts)
-    for name in names:
-        parts.setdefault(name, {"status": "failed", "error": "not run: the check timed out"})
-    ok = all(
-        r["status"] == "ok" or (r["status"] == "skipped" and name in optional)
-        for name, r in parts.items()
-    )
-    return {
-        "ok": ok,
-        **header,
-        "wall_seconds": round(time.perf_counter() - started, 2),
-        "skipped": {n: r["error"] for n, r in parts.items() if r["status"] == "skipped"},
-        "failed": sorted(n for n, r in parts.items() if r["status"] == "failed"),
-        "parts": parts,
-    }
 
 
 def fmt(value) -> str:

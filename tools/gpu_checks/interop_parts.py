@@ -63,7 +63,9 @@ def weight_stream(ctx: Context, numbers: dict) -> None:
 
 def hf_logits(ctx: Context, numbers: dict) -> None:
     if not ctx.transformers[0]:
-        raise Skipped(f"transformers not importable ({ctx.transformers[1]})")
+        raise Skipped(
+            f"transformers not importable ({ctx.transformers[1]})", missing="transformers"
+        )
     ctx.results.need("weight_stream")
     policy, step = ctx.policy, ctx.step
     samples = build_samples(step.prompts, step.responses, range(len(step.prompts)), step.offsets)
@@ -102,7 +104,9 @@ def te_spec(ctx: Context, numbers: dict) -> None:
     if ctx.device.type != "cuda":
         raise Skipped("Transformer Engine runs on CUDA only (--cpu)")
     if not ctx.te[0]:
-        raise Skipped(f"transformer_engine not importable ({ctx.te[1]})")
+        raise Skipped(
+            f"transformer_engine not importable ({ctx.te[1]})", missing="transformer_engine"
+        )
     ctx.results.need("distributed", "engines", "scoring")
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,

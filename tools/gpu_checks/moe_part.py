@@ -62,6 +62,17 @@ MOE_CONFIG = {
 }
 
 
+def moe_hf_tensors(hf: HFModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tiny MoE's HF tensors (seeded: the same in every process), routers scaled up:
+    wide router logits leave no near-ties between experts in bf16."""
+    tensors = random_hf_tensors(hf, dtype)
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if name.endswith("mlp.gate.weight"):
+                tensor.mul_(20.0)
+    return tensors
+
+
 def router_calls(engine: ModelEngine, run) -> dict[int, list[torch.Tensor]]:
     """Each router call's experts (sorted, on the host) per global layer during ``run()``."""
     calls: dict[int, list[torch.Tensor]] = {}
@@ -98,11 +109,7 @@ def check_used(calls: dict[int, list[torch.Tensor]], mbs, forwards: int, what: s
 def moe(ctx: Context, numbers: dict) -> None:
     ctx.results.need("distributed")
     hf = HFModelConfig.from_hf(MOE_CONFIG)
-    policy_tensors = random_hf_tensors(hf, ctx.dtype)
-    with torch.no_grad():  # wide router logits: no near-ties between experts in bf16
-        for name, tensor in policy_tensors.items():
-            if name.endswith("mlp.gate.weight"):
-                tensor.mul_(20.0)
+    policy_tensors = moe_hf_tensors(hf, ctx.dtype)
     recompute = RecomputeSettings(granularity="full", method="uniform", num_layers=1)
     engines = {}
     for head in ("lm", "value"):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from gpu_checks.checkpoint_parts import checkpoint, checkpoint_weights
 from gpu_checks.interop_parts import hf_logits, te_spec, weight_stream
+from gpu_checks.moe_ep_part import moe_ep
 from gpu_checks.moe_part import moe
+from gpu_checks.moe_te_part import moe_te
 from gpu_checks.offload_part import offload
 from gpu_checks.recipe32b_parts import shard_engines, shard_steps
 from gpu_checks.step_parts import (
@@ -15,6 +17,7 @@ from gpu_checks.step_parts import (
     update_critic,
     update_policy,
 )
+from gpu_checks.vllm_routes_part import vllm_routes
 
 PARTS = {
     "distributed": distributed,
@@ -32,8 +35,8 @@ PARTS = {
     "shard_steps": shard_steps,
     "offload": offload,
     "moe": moe,
+    "moe_te": moe_te,
+    "moe_ep": moe_ep,
+    "vllm_routes": vllm_routes,
 }
-"""Name -> part(ctx, numbers), in run order."""
-OPTIONAL_PARTS = {"te_spec", "hf_logits"}
-"""Parts whose 'skipped' (their reason: a package not importable, or --cpu) still lets ok be
-true."""
+"""Name -> part(ctx, numbers), in run order. Which skips fail the check: ``verdict.py``."""

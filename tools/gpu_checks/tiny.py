@@ -119,9 +119,13 @@ def random_hf_tensors(hf: HFModelConfig, dtype: torch.dtype) -> dict[str, torch.
     return out
 
 
-def write_hf_dir(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+def write_hf_dir(
+    path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype, config: dict | None = None
+) -> None:
+    """An HF model directory: ``config`` (default: the tiny Qwen2's) and the tensors."""
     path.mkdir(parents=True)
-    hf_io.write_config(path, {**HF_CONFIG, "dtype": str(dtype).removeprefix("torch.")})
+    config = HF_CONFIG if config is None else config
+    hf_io.write_config(path, {**config, "dtype": str(dtype).removeprefix("torch.")})
     writer = hf_io.SafetensorsWriter(path)
     for name, tensor in tensors.items():
         writer.add(name, tensor)

@@ -2,7 +2,8 @@
 
 The script is what runs on the first GPU (docs/benchmarks.md, "GPU check"); here ``--cpu``
 runs the same parts on the same trainer code, so the check itself is known to work before a
-GPU sees it. Transformer Engine's part is the only one allowed to skip (it needs CUDA).
+GPU sees it. Transformer Engine's parts and vLLM's are the only ones allowed to skip (they need
+CUDA); their skips are listed in the last line and do not fail --cpu.
 With ``--cpu`` the project's collectives read the default group as NCCL (the twin), so a part
 that sends objects over it fails here as it would on the GPU.
 """
@@ -37,7 +38,11 @@ PARTS = [
     "shard_steps",
     "offload",
     "moe",
+    "moe_te",
+    "moe_ep",
+    "vllm_routes",
 ]
+SKIPPED_ON_CPU = {"te_spec", "moe_te", "vllm_routes"}
 
 
 def test_gpu_check_cpu_twin():
@@ -55,13 +60,15 @@ def test_gpu_check_cpu_twin():
     log = f"stdout:\n{proc.stdout}\nstderr (last 4000 chars):\n{proc.stderr[-4000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert lines, log
-    summary = json.loads(lines[-1])
+    summary = json.loads(lines[-2])
     parts = summary["parts"]
     assert list(parts) == PARTS, log
-    not_ok = {n: p for n, p in parts.items() if n != "te_spec" and p["status"] != "ok"}
+    not_ok = {n: p for n, p in parts.items() if n not in SKIPPED_ON_CPU and p["status"] != "ok"}
     assert not not_ok, f"parts not ok: {not_ok}\n{log}"
-    assert parts["te_spec"]["status"] == "skipped", log
+    assert {n for n, p in parts.items() if p["status"] == "skipped"} == SKIPPED_ON_CPU, log
     assert summary["ok"] is True and proc.returncode == 0, log
+    assert lines[-1].startswith(f"passed {len(PARTS) - 3}, skipped 3 (te_spec: "), log
+    assert lines[-1].endswith("), failed 0"), log
     assert summary["device"] == "cpu" and parts["distributed"]["backend"] == "gloo", log
     # The numbers behind the verdicts, so a check that silently compared nothing fails here.
     assert parts["hf_logits"]["positions"] > 0, log
@@ -87,3 +94,7 @@ def test_gpu_check_cpu_twin():
     assert offload["copied_mb"] >= offload["state_mb"] and offload["tensors_equal"] > 0, log
     moe = parts["moe"]  # every router call of 2 layers x 4 micro-batches checked
     assert moe["policy_router_calls"] == 8 and moe["critic_router_calls"] == 16, log
+    ep = parts["moe_ep"]  # 2 gloo ranks: EP 2 against EP 1, 4 of the 8 experts on each
+    assert ep["ranks_returned"] == 2 and ep["backend"] == "gloo", log
+    assert "MoEAlltoAllTokenDispatcher" in ep["modules"], log
+    assert max(ep["max_grad_rel_diff"]) <= 1e-4 and max(ep["max_abs_logit_diff"]) < 1e-4, log
