@@ -33,7 +33,7 @@ from vapo_megatron.config.layout import ModelLayout  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
 from vapo_megatron.planning import memory as mp  # noqa: E402
 from vapo_megatron.planning.params import active_param_count, total_param_count  # noqa: E402
-from vapo_megatron.planning.plan_report import format_plan, plan_summary  # noqa: E402
+from vapo_megatron.planning.plan_report import format_plan, plan_summary, route_parts  # noqa: E402
 from vapo_megatron.planning.presets import GPUS, MODEL_PRESETS, read_critic_config  # noqa: E402
 from vapo_megatron.planning.workload import FULL_RECOMPUTE, GIB, NO_RECOMPUTE, OFFLOADS, Workload  # noqa: E402
 
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if config is not None:
         critic = config.critic.layout if work.uses_critic else None
         as_written = mp.plan(hf, gpu, config.policy.layout, critic, work, critic_hf=critic_hf)
-        print(format_plan(as_written, f"recipe {args.recipe} as written"))
+        routes = route_parts(as_written, hf, critic_hf)
+        print(format_plan(as_written, f"recipe {args.recipe} as written", routes))
         summary.update(recipe_fits=as_written.fits, recipe_changes={})
         proposal = as_written
         if not as_written.fits:
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         proposal = mp.plan(hf, gpu, first, first if work.uses_critic else None, work,
                            critic_hf=critic_hf)  # fmt: skip
         print(f"no layout of {world} GPUs fits; the largest tensor-parallel split inside a node:")
-    print(format_plan(proposal, "proposed"))
+    print(format_plan(proposal, "proposed", route_parts(proposal, hf, critic_hf)))
     for offload in ("optimizer", "rollout"):  # what each offload option would buy
         alt = replace(proposal.workload, offload=offload)
         util = mp.max_vllm_utilization(hf, gpu, proposal.policy, proposal.critic, alt,
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"offload={offload} ({OFFLOADS[offload]}): update peak "
                   f"{train_peak / GIB:.1f} GiB, vLLM could take gpu_memory_utilization "
                   f"{util:.2f} ({alt.concurrent_sequences:.1f} sequences per replica)")  # fmt: skip
-    print(json.dumps({**plan_summary(proposal), **summary}))
+    routes = route_parts(proposal, hf, critic_hf)
+    print(json.dumps({**plan_summary(proposal, routes), **summary}))
     return 0
 
 
@@ -203,7 +205,8 @@ def cli_workload(args: argparse.Namespace) -> dict[str, object]:
 RECIPE_FIELDS = ("bf16", "distributed_optimizer", "critic_distributed_optimizer", "uses_critic",
                  "policy_recompute", "critic_recompute", "grad_reduce_in_fp32", "rollout_tp",
                  "gpu_memory_utilization", "offload", "enforce_eager", "samples_per_step",
-                 "sleep_level", "checkpoint_async")  # fmt: skip
+                 "sleep_level", "checkpoint_async", "routing_replay",
+                 "critic_routing_replay")  # fmt: skip
 
 
 def recipe_workload(config) -> dict[str, object]:

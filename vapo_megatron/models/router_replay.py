@@ -19,10 +19,13 @@ engine, ``torch._C._current_graph_task_id() != -1``), so one setting serves the 
 
 Routes handed in are this micro-batch's tokens as the router sees them (the packed row of
 this CP rank, in order; with sequence parallelism this TP rank's slice): [tokens, layers,
-top_k] over the model's *global* layers (``router.layer_number - 1``), int, -1 where a token
-has no recorded route (the last response token, padding): those tokens keep the trainer's own
-top-k. While routes are set, each instance counts how many of the given experts the
-trainer's own top-k also picked (the agreement metric), with replay on or off.
+top_k] over *this rank's* layers (``ModelRouterReplay.layers``: the global layers of its
+routers, every chunk, in order; under PP a stage's, so no rank carries another stage's
+routes), int, -1 where a token has no recorded route (the last response token, padding):
+those tokens keep the trainer's own top-k. While routes are set, each instance counts how
+many of the given experts the trainer's own top-k also picked (the agreement metric), with
+replay on or off, on the router's device: the counts come to the host once per pass
+(``take_agreement``), not at every router call.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from vapo_megatron.parallel.devices import HOST
+
 ROUTES = "routes"
 """The micro-batch field of the engine's routed experts (``step/batching.py`` places them):
 [1, t, layers, top_k] int16 over the packed row's positions of this CP rank, -1: none."""
@@ -41,11 +46,12 @@ ROUTES = "routes"
 class _ModelReplay(RouterReplay):
     """One router's replay state; not in megatron's global list."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         super().__init__()
         RouterReplay.global_router_replay_instances.remove(self)
         self.replay = False
-        self.agree = torch.zeros(2, dtype=torch.float64)  # [matches, given experts]
+        # [matches, given experts], int64 on the router's device: counting never syncs.
+        self.agree = torch.zeros(2, dtype=torch.long, device=device)
 
     def get_replay_topk(
         self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
@@ -61,7 +67,7 @@ class _ModelReplay(RouterReplay):
         probs, own = default_compute_topk(
             scores, topk, num_groups=num_groups, group_topk=group_topk
         )
-        target = target.to(device=scores.device, dtype=own.dtype)
+        target = target.to(own)  # own's device and dtype (the routes may come as int16)
         if target.shape != own.shape:
             raise ValueError(
                 f"routes of shape {tuple(target.shape)} for a router that sees "
@@ -72,7 +78,7 @@ class _ModelReplay(RouterReplay):
         if not in_backward:
             with torch.no_grad():
                 hits = (target[:, :, None] == own[:, None, :]).any(-1) & given
-                self.agree += torch.stack([hits.sum(), given.sum() * topk]).to("cpu", torch.float64)
+                self.agree += torch.stack([hits.sum(), given.sum() * topk])
         if not self.replay:
             return probs, own
         top = torch.where(given, target, own)
@@ -93,7 +99,7 @@ class ModelRouterReplay:
         for router in self.routers:
             if router.router_replay is not None:  # built with moe_enable_routing_replay
                 ours.add(id(router.router_replay))
-            router.router_replay = _ModelReplay()
+            router.router_replay = _ModelReplay(router.weight.device)
         # Routers built with the flag put an instance in megatron's global list; it is unused now.
         global_list = RouterReplay.global_router_replay_instances
         global_list[:] = [r for r in global_list if id(r) not in ours]
@@ -107,19 +113,22 @@ class ModelRouterReplay:
         return [router.router_replay for router in self.routers]
 
     def set_routes(self, routes: torch.Tensor, *, replay: bool, chunk: int | None = None) -> None:
-        """Routes [tokens, layers, top_k] (global layers; -1: none) for the next forward (and
-        its recompute in the backward pass) of model chunk ``chunk`` (None: every chunk).
-        ``replay`` False: the trainer routes on its own and only the agreement is counted.
-        Appends: call once per micro-batch and chunk, in the schedule's order."""
-        if routes.dim() != 3 or routes.shape[2] != self.top_k:
+        """Routes [tokens, len(layers), top_k] (this rank's layers, ``layers`` order; -1:
+        none) for the next forward (and its recompute in the backward pass) of model chunk
+        ``chunk`` (None: every chunk). ``replay`` False: the trainer routes on its own and
+        only the agreement is counted. Appends: call once per micro-batch and chunk, in the
+        schedule's order."""
+        if routes.dim() != 3 or routes.shape[1:] != (len(self.layers), self.top_k):
             raise ValueError(
-                f"routes must be [tokens, layers, top_k={self.top_k}], got {tuple(routes.shape)}"
+                f"routes must be [tokens, {len(self.layers)} (this rank's layers {self.layers}), "
+                f"top_k={self.top_k}], got {tuple(routes.shape)}"
             )
+        first = 0 if chunk is None else sum(len(r) for r in self.chunk_routers[:chunk])
         routers = self.routers if chunk is None else self.chunk_routers[chunk]
-        for router in routers:
+        for j, router in enumerate(routers):
             instance = router.router_replay
             instance.replay = replay
-            instance.set_target_indices(routes[:, router.layer_number - 1])
+            instance.set_target_indices(routes[:, first + j])
             instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def set_micro_batch_routes(
@@ -136,7 +145,10 @@ class ModelRouterReplay:
         ``sequence_parallel`` (tp, tp_rank): the router sees this TP rank's slice of the row."""
         routes = fields.get(ROUTES)
         if routes is None:
-            routes = torch.full((num_tokens, self.num_layers, self.top_k), -1, dtype=torch.int16)
+            routes = torch.full(
+                (num_tokens, len(self.layers), self.top_k), -1, dtype=torch.int16,
+                device=self.routers[0].weight.device,
+            )  # fmt: skip
         else:
             routes = routes[0]
         if sequence_parallel is not None:
@@ -173,16 +185,13 @@ class ModelRouterReplay:
             out[:, first + j] = top.to(out.dtype)
             instance.recorded_topk_idx = None
 
-    def recorded(self, num_layers: int) -> torch.Tensor:
-        """The last recorded forward's routes, int16 [tokens, num_layers, top_k] on the host;
-        layers of other pipeline stages are -1."""
+    def recorded(self) -> torch.Tensor:
+        """The last recorded forward's routes, int16 [tokens, len(layers), top_k] on the
+        host (this rank's layers, as ``set_routes`` takes them)."""
         tops = [instance.get_recorded_indices() for instance in self.instances]
         if any(top is None for top in tops):
             raise RuntimeError("no routes recorded: call record() before the forward")
-        out = torch.full((tops[0].shape[0], num_layers, self.top_k), -1, dtype=torch.int16)
-        for top, router in zip(tops, self.routers, strict=True):
-            out[:, router.layer_number - 1] = top.to("cpu", torch.int16)
-        return out
+        return torch.stack(tops, 1).to(HOST, torch.int16)
 
     def clear(self) -> None:
         """Back to the router's own top-k; drops routes (the agreement counts stay)."""
@@ -191,10 +200,10 @@ class ModelRouterReplay:
             instance.clear_router_replay_action()
 
     def take_agreement(self) -> torch.Tensor:
-        """[matches, given] float64 summed over this rank's routers since the last call: the
-        share of the given experts the trainer's own top-k also picked is their ratio."""
-        total = torch.zeros(2, dtype=torch.float64)
+        """[matches, given] float64 on the host, summed over this rank's routers since the
+        last call: the share of the given experts the trainer's own top-k also picked is their
+        ratio. The one device-to-host copy of the counts (once per pass)."""
+        counts = torch.stack([instance.agree for instance in self.instances])
         for instance in self.instances:
-            total += instance.agree
             instance.agree.zero_()
-        return total
+        return counts.sum(0).to(HOST, torch.float64)

@@ -1,5 +1,6 @@
-"""What a rank writes to a training checkpoint and the pinned host memory one GPU's rank holds
-(both described in ``planning/memory.py``'s module doc): the planner's host side.
+"""What a rank writes to a training checkpoint, the pinned host memory one GPU's rank holds
+(both described in ``planning/memory.py``'s module doc) and the ordinary host memory of
+routing replay's routes (:func:`route_host_parts`): the planner's host side.
 
 MoE: megatron's fully parallel save balances the shards a model's DP x CP group holds over
 that group. With expert TP equal to TP (the default) such a group spans every EP rank of its
@@ -35,13 +36,16 @@ Models = dict[Head, tuple[HFModelConfig, ModelLayout]]
 
 
 @dataclass(frozen=True, kw_only=True)
-class PinnedPart:
-    """Pinned host memory one GPU's rank holds for one purpose."""
+class HostPart:
+    """Host memory one GPU's rank holds for one purpose (pinned, or ordinary)."""
 
     nbytes: int
     label: Literal["exact", "estimated"]
     what: str
     """What holds it and why the figure is what it is (one line)."""
+
+
+PinnedPart = HostPart
 
 
 def distributed_optimizer(work: Workload, head: Head) -> bool:
@@ -152,3 +156,66 @@ def pinned_parts(models: Models, work: Workload, state_bytes: int) -> dict[str, 
         what="vLLM sleep: its runtime pool (input batch, block tables)",
     )  # fmt: skip
     return parts
+
+
+def step_tokens(work: Workload) -> int:
+    """Tokens of a step's samples as the planner counts them (estimated): the longest prompt
+    and the mean response (``mean_response_fraction``) each, as ``Plan.rollout_seconds``."""
+    return math.ceil(
+        work.samples_per_step * (work.prompt_len + work.mean_response_fraction * work.response_len)
+    )
+
+
+def route_host_parts(models: Models, work: Workload) -> dict[str, HostPart]:
+    """Ordinary (not pinned) host memory of routing replay on the rank that holds the most:
+    a rollout replica's first rank (``step/engine_routes.py``, ``step/critic_routes.py``).
+    Routes are int16 [tokens, layers, top_k]; a rank keeps its DP share of the step's over its
+    stage's layers (1 / PP of them). The holder keeps its replica's share of the step's over
+    every layer (the store), and while it sends them, one round's buffer: each sample once
+    over every stage's layers, the store's size; each rank then puts what it received in
+    sample order, a second copy of its share, while the received buffer is alive. Empty
+    without routing replay or for a dense model."""
+    tokens = step_tokens(work)
+    parts: dict[str, HostPart] = {}
+    hf, layout = models["lm"]
+    if work.routing_replay and hf.is_moe:
+        step = tokens * hf.num_layers * hf.moe_top_k * 2
+        store = math.ceil(step / (work.world_size // work.rollout_tp))
+        dp = work.world_size // (layout.tp * layout.pp * layout.cp)
+        share = math.ceil(step / dp / layout.pp)
+        parts["route_store"] = HostPart(
+            nbytes=store, label="estimated",
+            what="the engine's routes of its rollout replica's samples, every layer (the "
+            "replica's first rank, the whole step)",
+        )  # fmt: skip
+        parts["route_exchange"] = HostPart(
+            nbytes=max(store, share), label="estimated",
+            what="while sending: one round's send buffer (each sample once: the store's size), "
+            "then the received routes before they are put in sample order",
+        )  # fmt: skip
+        parts["policy_routes"] = HostPart(
+            nbytes=share, label="estimated",
+            what="the policy's DP share of the step's routes over its stage's layers (replayed "
+            "in its scoring pass and updates; every rank)",
+        )  # fmt: skip
+    critic = models.get("value")
+    if critic is not None and work.critic_routing_replay and critic[0].is_moe:
+        chf, clayout = critic
+        step = tokens * chf.num_layers * chf.moe_top_k * 2
+        dp = work.world_size // (clayout.tp * clayout.pp * clayout.cp)
+        share = math.ceil(step / dp / clayout.pp)
+        parts["critic_routes"] = HostPart(
+            nbytes=share, label="estimated",
+            what="an MoE critic's routes of its scoring pass, its DP share over its stage's "
+            "layers (replayed in its updates; every rank)",
+        )  # fmt: skip
+    return parts
+
+
+def route_host_peak(parts: dict[str, HostPart]) -> int:
+    """The most of :func:`route_host_parts`' bytes one rank holds at once: the store and the
+    policy's share the whole step, the exchange's buffers only before the scoring pass that
+    records the critic's routes."""
+    nbytes = {name: part.nbytes for name, part in parts.items()}
+    during = max(nbytes.get("route_exchange", 0), nbytes.get("critic_routes", 0))
+    return nbytes.get("route_store", 0) + nbytes.get("policy_routes", 0) + during

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.models.config import HFModelConfig
+from vapo_megatron.planning.host import HostPart, Models, route_host_parts, route_host_peak
 from vapo_megatron.planning.memory import DECODE_EFFICIENCY, Plan
 from vapo_megatron.planning.workload import GIB, OFFLOADS, Recompute
 
@@ -29,8 +31,20 @@ def recompute_label(recompute: Recompute) -> str:
     return granularity if granularity == "selective" else f"full {method} {num_layers}"
 
 
-def plan_summary(result: Plan) -> dict[str, object]:
-    """The JSON the planner prints last: fits, layout, peak and headroom, KV capacity."""
+def route_parts(
+    result: Plan, hf: HFModelConfig, critic_hf: HFModelConfig | None = None
+) -> dict[str, HostPart]:
+    """``result``'s ordinary host memory of routing replay per GPU (``route_host_parts``) for
+    the policy's model ``hf`` and the critic's ``critic_hf`` (None: the policy's)."""
+    models: Models = {"lm": (hf, result.policy)}
+    if result.critic is not None:
+        models["value"] = (critic_hf or hf, result.critic)
+    return route_host_parts(models, result.workload)
+
+
+def plan_summary(result: Plan, routes: dict[str, HostPart] | None = None) -> dict[str, object]:
+    """The JSON the planner prints last: fits, layout, peak and headroom, KV capacity, host
+    memory (``routes``: routing replay's, from :func:`route_parts`)."""
     work = result.workload
     layout: dict[str, object] = {"policy": layout_summary(result.policy, work.world_size)}
     if result.critic is not None:
@@ -55,13 +69,20 @@ def plan_summary(result: Plan) -> dict[str, object]:
                 for name, part in result.pinned.items()
             },
         )
+        if routes:
+            out["route_host_gib_per_gpu"] = {
+                name: {"gib": round(part.nbytes / GIB, 2), "label": part.label}
+                for name, part in routes.items()
+            }
+            out["route_host_peak_gib_per_gpu"] = round(route_host_peak(routes) / GIB, 2)
     out["problems"] = result.problems
     return out
 
 
-def format_plan(result: Plan, title: str) -> str:
-    """A readable table of one plan: layouts, per-GPU memory by kind and by phase, vLLM; each
-    figure labelled exact, measured (on CPU) or estimated."""
+def format_plan(result: Plan, title: str, routes: dict[str, HostPart] | None = None) -> str:
+    """A readable table of one plan: layouts, per-GPU memory by kind and by phase, vLLM, host
+    memory (``routes``: routing replay's, from :func:`route_parts`); each figure labelled
+    exact, measured (on CPU) or estimated."""
     work, gib = result.workload, lambda b: f"{b / GIB:7.2f} GiB"
     lines = [f"== {title}: {'fits' if result.fits else 'DOES NOT FIT'} =="]
 
@@ -118,6 +139,13 @@ def format_plan(result: Plan, title: str) -> str:
         )
         for name, part in result.pinned.items():
             lines.append(f"  {name:22}{gib(part.nbytes)} [{part.label}] {part.what}")
+        if routes:
+            lines.append(
+                f"routing replay: ordinary host memory (not pinned), at most "
+                f"{gib(route_host_peak(routes)).strip()} at once on a rollout replica's first rank:"
+            )
+            for name, part in routes.items():
+                lines.append(f"  {name:22}{gib(part.nbytes)} [{part.label}] {part.what}")
         parts = ", ".join(f"{name} {b / GIB:.2f}" for name, b in result.reserve.items())
         lines.append(f"reserve {gib(sum(result.reserve.values())).strip()} per GPU "
                      f"[estimated: {parts} GiB]")  # fmt: skip

@@ -74,6 +74,10 @@ class Workload:
     """Responses generated per step (algorithm.prompts_per_step x samples_per_prompt)."""
     mean_response_fraction: float = 0.5
     """Mean response length over the longest (for the rollout time; an estimate)."""
+    routing_replay: bool = False
+    """The policy replays the engine's routes (algorithm.routing_replay: rollout; MoE)."""
+    critic_routing_replay: bool = False
+    """An MoE critic replays its scoring pass's routes (critic.routing_replay: scoring)."""
 
     @property
     def sequence_len(self) -> int:
@@ -104,4 +108,6 @@ def planner_workload(config: TrainConfig, world_size: int) -> Workload:
         sleep_level=config.rollout.sleep_level,
         checkpoint_async=config.trainer.checkpoint_async,
         samples_per_step=config.algorithm.prompts_per_step * config.algorithm.samples_per_prompt,
+        routing_replay=config.algorithm.routing_replay == "rollout",
+        critic_routing_replay=config.critic.routing_replay == "scoring",
     )

@@ -12,13 +12,15 @@ the same samples into other micro-batches, where a sample sits at another place 
 (another TP slice under SP) and, with CP under a pipeline, in other CP chunks (every row is
 padded to one length, which moves the last sequence's chunks). So each micro-batch's row is
 made whole over the model's TP group (under SP) and CP group, on its device, and cut into
-samples: sample i keeps [prompt + response, layers, top_k] int16 on the host, its own stage's
-layers filled (-1 for the others', which this rank never replays). Samples stay with the
+samples: sample i keeps [prompt + response, len(layers), top_k] int16 on the host over this
+rank's layers (``ModelRouterReplay.layers``: under PP its stage's; no other stage's, which this
+rank never replays). Samples stay with the
 critic's DP rank that scored them, which is the rank that trains on them
 (``shard_route.step_share``). They reach the update's micro-batches as the engine's routes
 reach the policy's (``batching.route_row``, ``ModelRouterReplay.set_micro_batch_routes``).
 
-Host memory: the critic's share of the step's tokens x layers x top_k x 2 bytes per rank.
+Host memory: the critic's DP share of the step's tokens x its stage's layers x top_k x 2
+bytes per rank (``planning/host.py::route_host_parts``).
 """
 
 from __future__ import annotations
@@ -40,9 +42,8 @@ if TYPE_CHECKING:
 def whole_rows(engine: ModelEngine, mbs: Sequence[MicroBatch]) -> list[torch.Tensor]:
     """Each micro-batch's recorded routes (``engine.recorded_routes``, after a
     ``run(record_routes=True)`` on ``mbs``) over its whole packed row: [seq_length,
-    num_layers, top_k] int16 on the host, -1 on other stages' layers. Collective over the
-    model's TP group (under SP) and CP group, on the model's device."""
-    replay = engine.router_replay
+    len(layers), top_k] int16 on the host, this rank's layers (``router_replay.layers``).
+    Collective over the model's TP group (under SP) and CP group, on the model's device."""
     layout = engine.layout
     tp_group = engine.groups.parallel.tp
     cp_group = engine.groups.parallel.cp
@@ -60,11 +61,7 @@ def whole_rows(engine: ModelEngine, mbs: Sequence[MicroBatch]) -> list[torch.Ten
             for rank, part in enumerate(collectives.all_gather(local, cp_group)):
                 row[split_packed_for_cp(positions, cu_padded, layout.cp, rank)] = part
             local = row
-        whole = torch.full(
-            (local.shape[0], replay.num_layers, replay.top_k), -1, dtype=torch.int16, device=HOST
-        )
-        whole[:, replay.layers] = local.to(HOST, torch.int16)
-        out.append(whole)
+        out.append(local.to(HOST, torch.int16))
     return out
 
 
@@ -93,7 +90,7 @@ def step_routes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept samples' routes as the trainer carries routes (``batching.build_samples``):
     [T, layers, top_k] int16 with offsets [S + 1]; samples not kept here have none (0 rows).
-    ``shape``: (layers, top_k)."""
+    ``shape``: (layers, top_k), the layers this rank's routers read."""
     counts = torch.zeros(num_samples, dtype=torch.long, device=HOST)
     for i, routes in store.items():
         counts[i] = routes.shape[0]

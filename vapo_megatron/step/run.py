@@ -197,7 +197,7 @@ def scored_critic_routes(
     if scored.critic is None or scored.critic.routes is None:
         return None
     replay = models.critic.router_replay
-    return critic_step_routes(scored.critic.routes, num_samples, (replay.num_layers, replay.top_k))
+    return critic_step_routes(scored.critic.routes, num_samples, (len(replay.layers), replay.top_k))
 
 
 def engine_routes(
@@ -210,7 +210,8 @@ def engine_routes(
         return None
     return routes_to_owners(
         trajectories.route_at, trajectories.route_offsets().diff(), trajectories.route_store,
-        route.shares["policy"].owners, models.policy.dp_rank, session.host_group,
+        route.shares["policy"].owners, models.policy.dp_rank, models.policy.router_replay.layers,
+        session.host_group,
     )  # fmt: skip
 
 

@@ -142,7 +142,7 @@ def worker(out_dir: str) -> None:
     # update): the forward equals the recording forward.
     c_replay.record()
     scored = forward(critic, tokens)
-    recorded = c_replay.recorded(LAYERS)
+    recorded = c_replay.recorded()
     c_replay.clear()
     assert recorded.dtype == torch.int16 and tuple(recorded.shape) == (TOKENS, LAYERS, TOP_K)
     assert torch.equal(recorded.long().sort(-1).values, c_own.sort(-1).values)

@@ -58,7 +58,7 @@ def trajectories():
 def sample_routes(t, i):
     start = int(t.route_at[i, 1])
     count = int(t.route_offsets().diff()[i])
-    return t.route_store.rows()[start : start + count]
+    return t.route_store.sample(start, count)
 
 
 def test_routes_follow_selection_and_concat_not_files(tmp_path):

@@ -5,7 +5,7 @@ on the model's own groups, with ``track_routes(replay=True)``:
 
 1. the scoring pass (``shard_route.score_share``, the trainer's own) keeps each of this DP
    rank's samples' routes: they must be transformers' router top-k of every token (prompt and
-   response), on this stage's layers (-1 on the others');
+   response), over this rank's layers only (``router_replay.layers``: its stage's);
 2. the update's micro-batches (other samples together, another token budget: each sample at
    another place of the row, under SP in another TP slice) carry those routes
    (``critic_routes.step_routes`` -> ``build_samples(routes=)``) and their forward, weights
@@ -77,14 +77,16 @@ def ragged(rows: list[torch.Tensor]) -> Ragged:
 
 
 def router_calls(engine, run):
-    """Run ``run()``; each router call's experts per layer: {layer: [[t, top_k] sorted]}."""
+    """Run ``run()``; each router call's experts per router: {j: [[t, top_k] sorted]}, j the
+    router's column in the routes this rank carries (``router_replay.layers`` order)."""
     calls: dict[int, list[torch.Tensor]] = {}
     hooks = []
+    column = {layer: j for j, layer in enumerate(engine.router_replay.layers)}
     for router in engine.router_replay.routers:
 
         def hook(mod, args, out):
             picked = out[1].nonzero()[:, 1].view(out[1].shape[0], -1)
-            calls.setdefault(mod.layer_number - 1, []).append(picked)
+            calls.setdefault(column[mod.layer_number - 1], []).append(picked)
 
         hooks.append(router.register_forward_hook(hook))
     result = run()
@@ -169,17 +171,16 @@ def check(name: str, reference_data, host, out_dir: str) -> None:
     )  # fmt: skip
     mine = share.ids.tolist()
     assert sorted(side.routes) == mine, (sorted(side.routes), mine)
-    stage_layers = sorted(set(critic.router_replay.layers))
+    stage_layers = critic.router_replay.layers
+    assert len(stage_layers) == LAYERS // layout.pp
     for i in mine:  # 1. the scoring pass kept transformers' routes, this stage's layers
         kept = side.routes[i]
-        assert kept.dtype == torch.int16 and kept.shape == (len(tokens[i]), LAYERS, 2)
-        others = [k for k in range(LAYERS) if k not in stage_layers]
-        assert bool((kept[:, others] == -1).all())
-        got = kept[:, stage_layers].long().sort(-1).values
+        assert kept.dtype == torch.int16 and kept.shape == (len(tokens[i]), len(stage_layers), 2)
+        got = kept.long().sort(-1).values
         assert torch.equal(got, routes[i][:, stage_layers].sort(-1).values), f"sample {i}"
 
     # 2. The update's micro-batches: other groupings, the recorded routes replayed.
-    kept = step_routes(side.routes, count, (LAYERS, 2))
+    kept = step_routes(side.routes, count, (len(stage_layers), 2))
     order = mine[::-1]
     samples = build_samples(prompts, responses, order, responses.offsets, routes=kept)
     mbs = micro_batches(samples, layout, cp_rank=critic.cp_rank, token_budget=24, field_names=[])

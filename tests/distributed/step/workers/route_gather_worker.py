@@ -5,10 +5,15 @@ the policy ranks that own each sample, on 2 or 4 gloo ranks.
 holder: its replica's first rank; with 4 ranks, 2 replicas of 2 ranks, the second rank of a
 replica holds nothing); ``routes_to_owners`` then sends each sample's int16 routes [prompt +
 response - 1, layers, top_k] (as bytes: gloo has no int16) to every rank whose policy DP rank
-owns it: each rank must end with exactly its owned samples' routes, equal to what the engine
-returned, and 0 rows for every other sample. Policy layouts: DP = world (each rank its own
-share), DP 1 (every rank all samples), and on 4 ranks TP2 x DP2 (ranks 0-1 DP 0, 2-3 DP 1:
-both TP ranks get their replica's samples) and DP ranks crossing the replicas (rank % 2).
+owns it, over the layers that rank's routers read: each rank must end with exactly its owned
+samples' routes over its layers, equal to what the engine returned, and 0 rows for every other
+sample. Policy layouts: DP = world (each rank its own share), DP 1 (every rank all samples),
+PP2 x DP1 (stage layers [0, 2] and [1], as VPP interleaves them), and on 4 ranks TP2 x DP2
+(ranks 0-1 DP 0, 2-3 DP 1: both TP ranks get their replica's samples), DP ranks crossing the
+replicas (rank % 2) and PP2 x DP2. What each holder sends is recorded (``SendRecorder``): to
+each rank exactly its samples' rows over its layers, in send buffers no larger than the
+holder's store (one round per rank of a stage, written in place: no per-destination pieces
+and no concatenated copy of them).
 
 Usage: python route_gather_worker.py
 """
@@ -50,6 +55,53 @@ class RoutedEngine(FakeEngine):
         return out
 
 
+class SendRecorder:
+    """Records, while entered, what this rank's ``all_to_all_flat`` calls send (bytes to each
+    host-group rank, each send buffer's bytes) and the bytes ``torch.cat`` makes."""
+
+    def __enter__(self) -> SendRecorder:
+        self.sent: dict[int, int] = {}
+        self.buffers: list[int] = []
+        self.cat_bytes = 0
+        self.flat, self.cat = collectives.all_to_all_flat, torch.cat
+
+        def flat(x, sizes, group):
+            self.buffers.append(x.numel() * x.element_size())
+            for dest, size in enumerate(sizes):
+                self.sent[dest] = self.sent.get(dest, 0) + size * x.element_size()
+            return self.flat(x, sizes, group)
+
+        def cat(tensors, *args, **kwargs):
+            out = self.cat(tensors, *args, **kwargs)
+            self.cat_bytes += out.numel() * out.element_size()
+            return out
+
+        collectives.all_to_all_flat, torch.cat = flat, cat
+        return self
+
+    def __exit__(self, *exc) -> None:
+        collectives.all_to_all_flat, torch.cat = self.flat, self.cat
+
+
+def check_sends(seen, name, dp_rank, layers, holders, counts, owners, routes, host) -> None:
+    """Each rank got from this one exactly its samples' rows over its own layers (the
+    layers every rank reports), no send buffer exceeded this rank's store, and the only copy
+    ``torch.cat`` made is the received routes' (put in sample order)."""
+    rank = dist.get_rank(host)
+    ranks = collectives.all_gather_objects((dp_rank, len(layers)), host)
+    want = {}
+    for dest, (dest_dp, num_layers) in enumerate(ranks):
+        mine = zip(holders, owners, counts, strict=True)
+        rows = sum(c for h, o, c in mine if h == rank and o == dest_dp)
+        want[dest] = rows * num_layers * SHAPE[1] * 2
+    assert seen.sent == want, (name, seen.sent, want)
+    held = sum(c for h, c in zip(holders, counts, strict=True) if h == rank)
+    store_bytes = held * SHAPE[0] * SHAPE[1] * 2
+    assert max(seen.buffers) <= store_bytes, (name, seen.buffers, store_bytes)
+    got_bytes = routes.numel() * routes.element_size()
+    assert seen.cat_bytes <= got_bytes, (name, seen.cat_bytes, got_bytes)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -82,23 +134,34 @@ def main() -> None:
     holds = rank in holders
     assert (store.num_rows > 0) == holds, (rank, store.num_rows)  # nothing gathered elsewhere
     count = len(got)
-    layouts = {"dp=world": (rank, list(range(count)), world), "dp=1": (0, [0] * count, 1)}
+    every = list(range(SHAPE[0]))
+    layouts = {
+        "dp=world": (rank, list(range(count)), world, every),
+        "dp=1": (0, [0] * count, 1, every),  # both ranks read every layer: 2 rounds
+        "pp2 dp1": (0, [0] * count, 1, [0, 2] if rank == 0 else [1]),  # VPP-like stages
+    }
     if world == 4:
-        layouts["tp2xdp2"] = (rank // 2, None, 2)
-        layouts["dp crosses replicas"] = (rank % 2, None, 2)
-    for name, (dp_rank, owners, dp_size) in layouts.items():
+        layouts["tp2xdp2"] = (rank // 2, None, 2, every)
+        layouts["dp crosses replicas"] = (rank % 2, None, 2, every)
+        layouts["pp2xdp2"] = (rank // 2, None, 2, [0] if rank % 2 == 0 else [1, 2])
+    counts = got.route_offsets().diff().tolist()
+    for name, (dp_rank, owners, dp_size, layers) in layouts.items():
         owners = [(i * 7) % dp_size for i in range(count)] if owners is None else owners
         owners = [o % dp_size for o in owners]
-        routes, offsets = routes_to_owners(
-            got.route_at, got.route_offsets().diff(), got.route_store, owners, dp_rank, host
-        )
+        with SendRecorder() as seen:
+            routes, offsets = routes_to_owners(
+                got.route_at, got.route_offsets().diff(), got.route_store, owners, dp_rank,
+                layers, host,
+            )  # fmt: skip
         assert routes.dtype == torch.int16
         for i in range(count):
             mine = routes[int(offsets[i]) : int(offsets[i + 1])]
             if owners[i] == dp_rank:
-                assert torch.equal(mine, expected[i]), (name, i)
+                assert torch.equal(mine, expected[i][:, layers]), (name, i)
             else:
                 assert mine.shape[0] == 0, (name, i)
+        holders_of = got.route_at[:, 0].tolist()
+        check_sends(seen, name, dp_rank, layers, holders_of, counts, owners, routes, host)
         owned = sum(1 for o in owners if o == dp_rank)
         print(f"rank {rank}: {name}: {owned} of {count} samples' routes, as generated")
     print(f"ROUTE_GATHER_OK rank {rank}")
