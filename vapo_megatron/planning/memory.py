@@ -43,7 +43,9 @@ The model behind ``tools/plan.py``. Every figure is labelled in its output as on
   host copy of the weights, level 2 nothing). Outside every count, a reserve per GPU: the CUDA
   context, NCCL buffers per communicator in use, and allocator fragmentation
   (``reserve_parts``). Rollout time: decode is memory-bound, so a step reads the weight shard
-  and the batch's KV once per generated token (``rollout_seconds``).
+  and the batch's KV once per generated token (``rollout_seconds``). The weight sync: one
+  message in flight (``SYNC_BUCKET``) and what vLLM holds while a module loads
+  (:func:`sync_hold_bytes`: a whole MoE layer's experts as full HF tensors).
 
 Each model is planned from its own config: the critic's (``critic.model``, a preset or an HF
 directory, ``weights/critic.py::critic_model_config``) may be another size or family than
@@ -141,6 +143,9 @@ class Plan:
     """The per-GPU reserve by part (reserve_parts), included in every phase."""
     pinned: dict[str, PinnedPart]
     """Pinned host memory per GPU by part (pinned_parts)."""
+    sync_hold: int
+    """Bytes vLLM holds while its largest module loads in the weight sync (sync_hold_bytes),
+    included in the weight_sync phase."""
 
     @property
     def peak(self) -> int:
@@ -318,7 +323,8 @@ def plan(
         empty = ModelMemory(params=0, grads=0, optimizer=0, activations=0)
         return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, policy_memory=empty,
                     critic_memory=None, phases={}, vllm_weights=0, kv_cache=0,
-                    kv_bytes_per_token=1, problems=problems, reserve={}, pinned={})  # fmt: skip
+                    kv_bytes_per_token=1, problems=problems, reserve={}, pinned={},
+                    sync_hold=0)  # fmt: skip
     memory = {head: model_memory(m, lay, work, head=head) for head, (m, lay) in models.items()}
     pol, cri = memory["lm"], memory.get("value")
     resident = sum(m.state for m in memory.values())
@@ -333,13 +339,13 @@ def plan(
     kv_per_token = 2 * hf.num_layers * kv_heads_per_rank * hf.head_dim * 2
     graphs = 0 if work.enforce_eager else VLLM_CUDA_GRAPHS
     kv_cache = vllm_budget - vllm_weights - VLLM_OVERHEAD - graphs
-    largest_tensor = hf.padded_vocab_size(1) * hf.hidden_size * 2  # gathered embedding, bf16
+    sync_hold = sync_hold_bytes(hf, work.rollout_tp)
     # The weights' wake brings back every pool vLLM's sleep took that is not deferred: the
     # runtime pool and the CUDA graphs (vLLM 0.32 ``CuMemAllocator.wake_up``).
     vllm_at_sync = vllm_weights + VLLM_RUNTIME_POOL + graphs
     phases = {
         "rollout": during_rollout + vllm_budget,
-        "weight_sync": during_sync + vllm_at_sync + SYNC_BUCKET + largest_tensor,
+        "weight_sync": during_sync + vllm_at_sync + SYNC_BUCKET + sync_hold,
         "policy_update": resident + pol.activations,
     }
     if cri is not None:
@@ -359,7 +365,34 @@ def plan(
                 critic_memory=cri, phases=phases, vllm_weights=vllm_weights,
                 kv_cache=max(kv_cache, 0), kv_bytes_per_token=kv_per_token,
                 problems=problems, reserve=reserve,
-                pinned=pinned_parts(models, work, state))  # fmt: skip
+                pinned=pinned_parts(models, work, state), sync_hold=sync_hold)  # fmt: skip
+
+
+def sync_hold_bytes(hf: HFModelConfig, rollout_tp: int) -> int:
+    """What one vLLM rank holds during the weight sync while its largest module loads, beyond
+    the message in flight (estimated; read in vLLM 0.32, ``model_loader/reload/layerwise.py``).
+
+    Under layerwise reload each module's loader call is buffered with its arguments
+    (``make_online_process_loader``: ``info.loaded_weights``), so every tensor sent to a module
+    stays referenced until the module's last element arrives; then ``_layerwise_process``
+    materializes the module's parameters anew on the device (the rank's vLLM shard), loads the
+    buffered tensors, copies the result into the live parameters and lets both go. The held
+    tensors are the full HF tensors: vLLM's loaders take this rank's TP slice (and, under
+    expert parallelism, skip another rank's experts) only when the buffered call runs. An MoE
+    layer's routed experts are one module (``FusedMoE``: w13 and w2 of every expert), so the
+    whole layer's experts are held, num_experts x (gate + up + down), whatever vLLM's TP or EP;
+    the stream sends each layer's tensors together (``weights/stream.py``: stages, then layers,
+    in order), so one layer at a time. The other candidates are the embedding (or the LM head,
+    the same shape) and a dense MLP's gate + up (``gate_up_proj``). bf16; the materialized
+    shard is taken as the held bytes / vLLM TP."""
+    h = hf.hidden_size
+    modules = [hf.padded_vocab_size(1) * h]
+    if hf.is_moe:
+        modules.append(hf.num_experts * 3 * h * hf.moe_intermediate_size)
+    else:
+        modules.append(2 * hf.intermediate_size * h)
+    held = 2 * max(modules)
+    return held + math.ceil(held / rollout_tp)
 
 
 def memory_problems(phases: dict[str, int], gpu: GPUSpec, work: Workload) -> list[str]:

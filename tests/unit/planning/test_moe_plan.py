@@ -14,6 +14,7 @@ import pytest
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import HFModelConfig
+from vapo_megatron.planning import host
 from vapo_megatron.planning import memory as mp
 from vapo_megatron.planning.activations import dispatch_buffer_bytes
 from vapo_megatron.planning.params import (
@@ -81,6 +82,46 @@ def test_the_critics_own_model_is_planned_and_its_context_checked() -> None:
     # Each model's layout from its own size: what recipes/vapo_qwen2.5_32b_rm7b.yaml runs.
     assert (best.policy.tp, best.policy.pp, best.policy.cp) == (4, 1, 1)
     assert (best.critic.tp, best.critic.pp, best.critic.cp) == (4, 2, 1)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("name", "world", "layout", "vllm_tp"),
+    [
+        ("qwen3-235b-a22b", 256, ModelLayout(tp=4, ep=32, sequence_parallel=True), 8),
+        ("qwen3-235b-a22b", 256, ModelLayout(tp=4, ep=32, sequence_parallel=True), 4),
+        ("qwen3-30b-a3b", 32, ModelLayout(tp=2, ep=8, sequence_parallel=True), 2),
+        ("qwen2.5-32b", 128, ModelLayout(tp=8, cp=2, sequence_parallel=True), 4),
+    ],
+)
+def test_weight_sync_counts_the_module_vllm_holds_while_it_loads(name, world, layout, vllm_tp):
+    """vLLM 0.32's layerwise reload keeps every tensor sent to a module until the module is
+    complete (``model_loader/reload/layerwise.py::make_online_process_loader``), then
+    materializes the module's vLLM shard to load them into. An MoE layer's experts are one
+    module: a rank holds all 128 experts' gate, up and down as full HF tensors, whatever
+    vLLM's TP (4.5 GiB at 235B-A22B, 1.125 at 30B-A3B), plus their shard over vLLM TP. A dense
+    model's largest module is its embedding. Sizes from the published config.json values."""
+    config = MODEL_PRESETS[name]
+    h = config["hidden_size"]
+    if config.get("num_experts"):
+        gate = up = config["moe_intermediate_size"] * h  # [moe_intermediate, hidden] each
+        down = h * config["moe_intermediate_size"]
+        held = config["num_experts"] * (gate + up + down) * 2
+        expected_gib = {"qwen3-235b-a22b": 4.5, "qwen3-30b-a3b": 1.125}[name]
+        assert held == expected_gib * GIB
+    else:
+        assert config["vocab_size"] % 128 == 0  # Megatron's padding adds no row at TP 1
+        held = config["vocab_size"] * h * 2  # model.embed_tokens.weight, bf16
+    work = Workload(world_size=world, prompt_len=2048, response_len=20480,
+                    micro_batch_tokens=16384, offload="rollout", rollout_tp=vllm_tp,
+                    gpu_memory_utilization=0.8)  # fmt: skip
+    result = mp.plan(preset(name), GPUS["h100-80gb"], layout, None, work)
+    assert result.phases, result.problems
+    # The rest of the sync: the policy's params (the rest is offloaded), vLLM's woken weights,
+    # runtime pool and CUDA graphs, one message in flight, the reserve.
+    rest = result.policy_memory.params + result.vllm_weights + host.VLLM_RUNTIME_POOL
+    rest += host.VLLM_CUDA_GRAPHS + mp.SYNC_BUCKET + sum(result.reserve.values())
+    assert result.phases["weight_sync"] - rest == held + -(-held // vllm_tp)
 
 
 def _plan_tool():
