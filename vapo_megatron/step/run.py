@@ -45,6 +45,7 @@ def run_step(
     returns, critic updates only; ``pretrain_index`` counts its steps from 1). ``step`` keys
     the step's seeds. Returns the step's metrics (the same on every rank)."""
     cfg = session.config
+    label = f"critic pretraining step {pretrain_index}" if pretrain else f"step {step}"
     models = step_models(session, pretrain=pretrain)
     timer = Timer([e for e in (session.policy, session.critic) if e is not None])
     metrics: dict[str, float] = {}
@@ -61,12 +62,12 @@ def run_step(
     timer.lap_rollout(stats)
     metrics.update(rollout_metrics(trajectories, stats, cfg.rollout.max_new_tokens))
     if not len(trajectories):
-        logger.warning("step %d: no trajectories to train on (all groups filtered)", step)
+        logger.warning("%s: no trajectories to train on (all groups filtered)", label)
         metrics["skipped_step"] = 1.0
         return metrics
     # 5. Scoring pass (old log-probs at the sampling temperature, values), on the route that
     # brings each token's outputs to the rank that trains on it (step/scoring.py).
-    route = output_route(session, models, trajectories, step)
+    route = output_route(session, models, trajectories, step, label=label)
     metrics["data/shard_path"] = float(route.name == "shards")
     policy_routes = engine_routes(session, models, trajectories, route)
     inputs = StepInputs(
@@ -88,7 +89,7 @@ def run_step(
         whiten_advantages=cfg.trainer.whiten_advantages and not pretrain,
     )  # fmt: skip
     metrics.update(step_stats)
-    warn_on_logprob_gap(metrics, step, cfg.rollout.logprob_gap_warn)
+    warn_on_logprob_gap(metrics, label, cfg.rollout.logprob_gap_warn)
     timer.lap("advantages")
     # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
     critic_routes = scored_critic_routes(scored, models, len(trajectories))
@@ -117,19 +118,17 @@ def step_models(session: Session, *, pretrain: bool) -> StepModels:
 
 
 def output_route(
-    session: Session, models: StepModels, trajectories: Trajectories, step: int
+    session: Session, models: StepModels, trajectories: Trajectories, step: int, *, label: str
 ) -> OutputRoute:
     """Each scoring model's DP ranks own the first epoch's share of each mini-batch for the
     whole step (split by tokens over that model's DP size); where the two models' owners
     differ the critic's advantages are routed to the policy's (``step/routed_route.py``).
-    Logged when the path changes (``session.data_path``). Collective over the host group."""
+    Logged (as ``label``, the step the user sees) when the path changes (``session.data_path``). Collective over the host group."""
     cfg = session.config
     scorers = models.scorers()
     choice = choose_path(scorers, host_group=session.host_group)
     if session.data_path != choice.name:
-        logger.info(
-            "step %d: per-token outputs on the %s path: %s", step, choice.name, choice.reason
-        )
+        logger.info("%s: per-token outputs on the %s path: %s", label, choice.name, choice.reason)
         session.data_path = choice.name
     responses = trajectories.responses
     token_counts = (trajectories.prompts.lengths() + responses.lengths()).tolist()
@@ -215,13 +214,15 @@ def engine_routes(
     )  # fmt: skip
 
 
-def warn_on_logprob_gap(metrics: dict[str, float], step: int, limit: float) -> None:
+def warn_on_logprob_gap(metrics: dict[str, float], label: str, limit: float) -> None:
+    """Warn when the engine's log-probs drift from the trainer's; ``label`` names the step as
+    the user sees it ("step 7", "critic pretraining step 2")."""
     gap = metrics.get("rollout/logprob_gap", 0.0)
     if gap > limit:
         logger.warning(
-            "step %d: rollout/trainer log-prob gap %.3g > rollout.logprob_gap_warn=%.3g: "
+            "%s: rollout/trainer log-prob gap %.3g > rollout.logprob_gap_warn=%.3g: "
             "the engine may hold stale or wrongly synced weights",
-            step, gap, limit,
+            label, gap, limit,
         )  # fmt: skip
 
 

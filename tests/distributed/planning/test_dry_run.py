@@ -183,19 +183,20 @@ def test_rm7b_recipe_at_world_128_builds_each_model_from_its_own_config() -> Non
 @pytest.mark.slow  # minutes: 96 checkpoint peers of a 235B MoE and a 32B critic on meta
 @pytest.mark.timeout(3000)
 def test_235b_recipe_at_world_256_agrees_with_the_planner() -> None:
-    """Qwen3-235B-A22B at TP 4 x EP 32 with its Qwen3-32B critic at TP 8, 256 ranks: the
-    expert groups and the experts' Adam over expert DP 2, to the byte."""
+    """Qwen3-235B-A22B at TP 8 x EP 32 (expert TP 8, expert DP 1: the layout whose weight
+    sync fits, docs/scaling.md) with its Qwen3-32B critic at TP 8, 256 ranks: the expert
+    groups and the experts' Adam, to the byte."""
     done = dry_run("vapo_qwen3_235b_a22b.yaml", "--world-size", "256", "--ranks", "0,255",
                    "--model", "qwen3-235b-a22b", "critic.model=qwen3-32b", timeout=2900)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     first, last = last_json(done.stdout)["ranks"]
     for report in (first, last):
         policy = report["policy"]
-        assert policy["layout"] == {"tp": 4, "pp": 1, "cp": 1, "dp": 64, "ep": 32, "etp": 4,
-                                    "edp": 2}  # fmt: skip
+        assert policy["layout"] == {"tp": 8, "pp": 1, "cp": 1, "dp": 32, "ep": 32, "etp": 8,
+                                    "edp": 1}  # fmt: skip
         assert report["critic"]["layout"] == {"tp": 8, "pp": 1, "cp": 1, "dp": 32}
         for role in ("policy", "critic"):
             assert_planner_bytes(report, role)
-        assert len(policy["groups"]["ep"]) == 32 and len(policy["groups"]["expt_dp"]) == 2
+        assert len(policy["groups"]["ep"]) == 32 and len(policy["groups"]["expt_dp"]) == 1
     assert first["policy"]["coords"]["ep"] == 0 and last["policy"]["coords"]["ep"] == 31
     assert first["vllm_replica_ranks"] == list(range(8)) and last["vllm_replica"] == 31

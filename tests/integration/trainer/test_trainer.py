@@ -130,6 +130,9 @@ def test_console_holds_the_runs_own_lines(end_to_end):
     assert "Traceback" not in console and "Chat template warmup failed" not in console
     others = [line for line in console.splitlines() if line and not CONSOLE_LINE.match(line)]
     assert others == [], others
+    # Critic pretraining's lines name its own step, never the seed key (1000001) it draws with.
+    assert "critic pretraining step 1: per-token outputs" in console
+    assert "step 100000" not in console + rank_logs(run)
     assert (run / "logs" / "rank1.console.log").read_text() == ""  # rank 1: nothing to say
     for rank in (0, 1):
         log = (run / "logs" / f"rank{rank}.log").read_text()
