@@ -91,13 +91,15 @@ def check_recipe(
 ) -> None:
     """The trainer's own refusals, in the order the trainer meets them (the critic's layout
     against its own model, critic_hf; None: the policy's)."""
+    from vapo_megatron.config.checks import check_layouts_on_models
     from vapo_megatron.config.layout import check_layout_pair
 
     config.check(world_size)
+    # The model first: an EP on a dense model is that, not an expert-group arithmetic problem.
+    models = {"policy": (config.model.path, hf)}
+    models["critic"] = (config.critic.model or config.model.path, critic_hf or hf)
+    check_layouts_on_models(config, models, world_size)
     check_layout_pair(config.policy.layout, config.critic.layout, world_size)
-    config.policy.layout.check(hf)
-    if config.algorithm.uses_critic:
-        config.critic.layout.check(critic_hf or hf)
     for problem in mp.rollout_tp_problems(hf, config.rollout.tensor_parallel_size, world_size):
         raise ValueError(f"rollout.tensor_parallel_size: {problem}")
 

@@ -49,16 +49,10 @@ def check_before_ranks(config, world_size: int) -> None:
     the message a rank would give. A model not yet written (model.create_tiny's first run) is
     checked by the ranks."""
     from vapo_megatron.config.checks import check_critic_start, check_layouts_on_models
-    from vapo_megatron.models.config import HFModelConfig
     from vapo_megatron.weights import hf_io
 
     config.check(world_size)
-    paths = {"policy": config.model.path, "critic": config.critic.model or config.model.path}
-    models = {
-        role: (path, HFModelConfig.from_hf(hf_io.read_config(path)))
-        for role, path in paths.items()
-        if (Path(path) / hf_io.CONFIG_NAME).is_file()
-    }
+    models = hf_io.written_model_configs(config)
     check_layouts_on_models(config, models, world_size)
     # A run directory's pretrained critic (complete or not: the ranks look closer) skips it.
     pretrained = Path(config.trainer.run_dir) / "critic_pretrained"

@@ -21,7 +21,11 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.checkpoint import model as mckpt
-from vapo_megatron.config.checks import check_critic_start, critic_has_own_model
+from vapo_megatron.config.checks import (
+    check_critic_start,
+    check_layouts_on_models,
+    critic_has_own_model,
+)
 from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.data.prompts import TokenizedPrompt, load_prompts, tokenize_prompts
@@ -170,6 +174,8 @@ class Session:
         )
         """Gloo over every rank: counts, timings, objects, barriers (``parallel/collectives``)."""
         config.check(self.world_size)
+        # Under torchrun/srun no launcher process checked these first (``train.check_before_ranks``).
+        check_layouts_on_models(config, hf_io.written_model_configs(config), self.world_size)
         check_critic_start(
             config, has_pretrained_critic=_is_model_dir(self.pretrained_critic_dir())
         )

@@ -22,10 +22,14 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from vapo_megatron.config.train import TrainConfig
+    from vapo_megatron.models.config import HFModelConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -189,6 +193,21 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     if not file.is_file():
         raise ValueError(f"{path} has no {CONFIG_NAME}: not a Hugging Face model directory")
     return json.loads(file.read_text())
+
+
+def written_model_configs(config: TrainConfig) -> dict[str, tuple[str, HFModelConfig]]:
+    """ "policy" and "critic" -> (HF directory, its config), for the recipe's models already
+    on disk (a tiny model is written on first use, a critic.model preset when it is built):
+    what ``config.checks.check_layouts_on_models`` checks each layout against before any model
+    is built."""
+    from vapo_megatron.models.config import HFModelConfig
+
+    paths = {"policy": config.model.path, "critic": config.critic.model or config.model.path}
+    return {
+        role: (path, HFModelConfig.from_hf(read_config(path)))
+        for role, path in paths.items()
+        if (Path(path) / CONFIG_NAME).is_file()
+    }
 
 
 def write_config(path: str | os.PathLike, config: dict[str, Any]) -> None:

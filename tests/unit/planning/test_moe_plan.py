@@ -150,3 +150,20 @@ def test_large_recipes_fit_with_8_gib_in_every_phase(recipe, model, critic, node
     assert out["kv_sequences_per_replica"] >= 8
     if model.startswith("qwen3-") and "a" in model.split("-")[-1]:  # the MoE policies
         assert out["layout"]["policy"]["ep"] > 1
+
+
+@pytest.mark.unit
+def test_plan_tool_names_ep_on_a_dense_model(tmp_path, capsys) -> None:
+    """tools/plan.py checks each layout against its model before the expert-group arithmetic:
+    an EP on a dense model is refused as that, naming the setting to drop."""
+    recipe = (REPO / "recipes" / "vapo_qwen2.5_32b.yaml").read_text()
+    bad = tmp_path / "dense_ep.yaml"
+    bad.write_text(recipe.replace("base: ", f"base: {REPO / 'recipes'}/", 1) + "\n")
+    overrides = tmp_path / "over.yaml"
+    overrides.write_text(f"base: {bad}\npolicy:\n  layout: {{tp: 8, cp: 2, ep: 2}}\n")
+    tool = _plan_tool()
+    args = ["--recipe", str(overrides), "--model", "qwen2.5-32b", "--nodes", "16"]
+    assert tool.main(args) != 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "expert parallelism needs a mixture-of-experts model" in out["error"], out
+    assert "policy.layout.ep" in out["error"]
