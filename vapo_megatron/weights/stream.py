@@ -77,10 +77,8 @@ def stream_policy_weights(
     layers: a bucket holds whole HF tensors (one expert's gate, up or down projection at
     most), never a layer's experts at once, and besides the bucket a rank holds one EP gather:
     EP x one expert projection (Qwen3-235B-A22B in bf16 at EP 8: 8 x 12.6 MB = 101 MB), and
-    its expert-TP gather, whatever the number of experts. ``receiver`` is refused with EP > 1.
-    That bounds the stream only: vLLM's layerwise reload keeps every tensor it is handed until
-    its module is complete, so the engine holds one MoE layer's experts (as full HF tensors)
-    at a time; the planner counts that (``planning/memory.py::sync_hold_bytes``).
+    its expert-TP gather, whatever the number of experts (vLLM holds a whole layer's: the
+    planner's ``sync_hold_bytes``). ``receiver`` is refused with EP > 1.
 
     With PP = 1 nothing crosses ranks after the TP gathers, so each bucket is one tensor,
     yielded as soon as it is gathered: what is held is then the consumer's choice (the engine
