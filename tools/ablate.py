@@ -31,7 +31,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from vapo_megatron.train import quiet_dependencies  # noqa: E402
+from vapo_megatron.run_log import quiet_dependencies  # noqa: E402
 
 quiet_dependencies()
 

@@ -51,7 +51,6 @@ def _worker(shape: str, root: Path, distopt: bool) -> None:
     from transformers import Qwen2Config
 
     from vapo_megatron.checkpoint.save import CheckpointSaver
-    from vapo_megatron.checkpoint.state import TrainableState
     from vapo_megatron.config.layout import ModelLayout
     from vapo_megatron.models.config import HFModelConfig
     from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
@@ -75,7 +74,7 @@ def _worker(shape: str, root: Path, distopt: bool) -> None:
         for chunk in engine.chunks:
             chunk.zero_grad_buffer()
         engine.step()  # zero gradients: Adam's state exists, the weights stay
-        states[name] = TrainableState.from_engine(engine)
+        states[name] = engine.trainable_state()
     out = {"world": dist.get_world_size(), "distopt": distopt}
     for asynchronous in (False, True):
         saver = CheckpointSaver(asynchronous=asynchronous)

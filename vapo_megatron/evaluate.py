@@ -16,8 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
-from vapo_megatron.run_log import open_rank_log, setup_logging
-from vapo_megatron.train import quiet_dependencies
+from vapo_megatron.run_log import open_rank_log, quiet_dependencies, setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:

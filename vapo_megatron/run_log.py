@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,15 @@ HELD_RECORDS = 10_000
 """Library lines held until the rank's log file opens; later ones are counted, not kept."""
 
 DATE_FORMAT = "%H:%M:%S"
+
+
+def quiet_dependencies() -> None:
+    """Hide notes that say nothing about the run (absent TE/apex, deprecations in megatron)."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 
 def is_project_record(record: logging.LogRecord) -> bool:

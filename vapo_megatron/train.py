@@ -13,21 +13,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-import warnings
 from pathlib import Path
 
-from vapo_megatron.run_log import open_rank_log, setup_logging
-
-
-def quiet_dependencies() -> None:
-    """Hide notes that say nothing about the run (absent TE/apex, deprecations in megatron)."""
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).* not installed")
-    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+from vapo_megatron.run_log import open_rank_log, quiet_dependencies, setup_logging
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -17,7 +17,6 @@ from gpu_checks.tiny import HF_CONFIG
 from vapo_megatron.checkpoint.load import load_train_checkpoint
 from vapo_megatron.checkpoint.model import load_model_weights, make_metadata, save_model_weights
 from vapo_megatron.checkpoint.save import save_train_checkpoint
-from vapo_megatron.checkpoint.state import TrainableState
 
 
 def checkpoint(ctx: Context, numbers: dict) -> None:
@@ -28,7 +27,7 @@ def checkpoint(ctx: Context, numbers: dict) -> None:
     schedulers = {name: e.scheduler.state_dict() for name, e in engines.items()}
     root = ctx.workdir / "checkpoints"
     start = time.perf_counter()
-    states = {name: TrainableState.from_engine(e) for name, e in engines.items()}
+    states = {name: e.trainable_state() for name, e in engines.items()}
     save_train_checkpoint(root, 1, states, {"step": 1}, keep_last=1, group=ctx.host)
     numbers["save_s"] = time.perf_counter() - start
     fresh = {
@@ -43,7 +42,7 @@ def checkpoint(ctx: Context, numbers: dict) -> None:
     )
     start = time.perf_counter()
     extra = load_train_checkpoint(
-        root, {name: TrainableState.from_engine(e) for name, e in fresh.items()}, group=ctx.host
+        root, {name: e.trainable_state() for name, e in fresh.items()}, group=ctx.host
     )
     numbers["load_s"] = time.perf_counter() - start
     numbers["mb_on_disk"] = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) / 1e6

@@ -35,9 +35,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from vapo_megatron.models.config import Head, HFModelConfig
+from vapo_megatron.models.config import CONFIG_NAME, Head, HFModelConfig
 from vapo_megatron.parallel import collectives
-from vapo_megatron.weights import hf_io
 
 METADATA_NAME = "vapo_checkpoint.json"
 ASSETS_DIR = "hf_assets"
@@ -142,7 +141,7 @@ def load_metadata(ckpt_dir: str | os.PathLike) -> CheckpointMetadata:
     if not file.is_file():
         hint = (
             "it looks like a Hugging Face model: convert it with `tools/convert.py hf-to-mcore`"
-            if (Path(ckpt_dir) / hf_io.CONFIG_NAME).is_file()
+            if (Path(ckpt_dir) / CONFIG_NAME).is_file()
             else "the save did not finish, or it was not written by vapo-megatron"
         )
         raise ValueError(f"{ckpt_dir} has no {METADATA_NAME}: {hint}")

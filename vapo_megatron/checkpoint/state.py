@@ -4,10 +4,9 @@ the saver, the loader and the dry run's byte count all build them here."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -16,9 +15,6 @@ from megatron.core.utils import unwrap_model
 
 from vapo_megatron.checkpoint.model import CheckpointMetadata
 from vapo_megatron.checkpoint.optimizer_state import fill_fresh_optimizer_state, sub_optimizers
-
-if TYPE_CHECKING:
-    from vapo_megatron.trainer.model_engine import ModelEngine
 
 
 class Stateful(Protocol):
@@ -50,31 +46,6 @@ class TrainableState:
     """Distributed optimizer only: save its state in the ``fully_reshardable`` format (loads
     at another TP/PP; the save gathers the state of each DP group) instead of
     ``dp_reshardable`` (loads at another DP/CP only)."""
-
-    @classmethod
-    def from_engine(
-        cls,
-        engine: ModelEngine,
-        *,
-        weights_meta: CheckpointMetadata | None = None,
-        fully_reshardable: bool = False,
-    ) -> TrainableState:
-        """The state of a ``ModelEngine`` (``trainer/model_engine.py``)."""
-        layout = dataclasses.asdict(engine.layout)
-        layout.update(
-            dp=engine.groups.dp_size,
-            params_dtype=str(engine.config.params_dtype),
-            distributed_optimizer=engine.chunks[0].ddp_config.use_distributed_optimizer,
-        )
-        return cls(
-            chunks=engine.chunks,
-            optimizer=engine.optimizer,
-            scheduler=engine.scheduler,
-            layout=layout,
-            weights_meta=weights_meta,
-            dp_cp_group=engine.groups.pg_collection.dp_cp,
-            fully_reshardable=fully_reshardable,
-        )
 
 
 def optimizer_format(state: TrainableState) -> str:

@@ -14,8 +14,8 @@ from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.config.layout import layout_sizes
 
 if TYPE_CHECKING:  # train.py imports this module to run the checks
+    from vapo_megatron.config.layout import ModelShape
     from vapo_megatron.config.train import TrainConfig
-    from vapo_megatron.models.config import HFModelConfig
 
 
 def check_layouts_fit(config: TrainConfig, world_size: int) -> None:
@@ -40,7 +40,7 @@ def check_layouts_fit(config: TrainConfig, world_size: int) -> None:
 
 
 def check_layouts_on_models(
-    config: TrainConfig, models: Mapping[str, tuple[str, HFModelConfig]], world_size: int
+    config: TrainConfig, models: Mapping[str, tuple[str, ModelShape]], world_size: int
 ) -> None:
     """Each model's layout fits its model (heads, layers, experts: ``ModelLayout.check``) and
     its expert groups fit the world, naming the setting and the model. ``models``: "policy"

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # only its attributes are read; the config stays free of model code
-    from vapo_megatron.models.config import HFModelConfig
+
+class ModelShape(Protocol):
+    """What a layout is checked against: the attributes of ``models.config.HFModelConfig``
+    that ``ModelLayout.check`` reads (config/ stays below models/ and free of model code)."""
+
+    family: str
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_layers: int
+    num_experts: int
+    moe_intermediate_size: int
+
+    @property
+    def is_moe(self) -> bool: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +47,7 @@ class ModelLayout:
         """The expert tensor-parallel size in effect (``etp``, else ``tp``)."""
         return self.tp if self.etp is None else self.etp
 
-    def check(self, hf: HFModelConfig, *, name: str = "", model: str = "") -> None:
+    def check(self, hf: ModelShape, *, name: str = "", model: str = "") -> None:
         """ValueError naming the value and the fix for a layout the model cannot take.
         ``name``: the layout's place in the recipe ("policy.layout"), ``model``: the model's
         directory; both named in the messages that say which setting to drop."""
@@ -58,7 +70,7 @@ class ModelLayout:
             )
         self._check_experts(hf, name, model)
 
-    def _check_experts(self, hf: HFModelConfig, name: str, model: str) -> None:
+    def _check_experts(self, hf: ModelShape, name: str, model: str) -> None:
         if min(self.ep, self.expert_tp) < 1:
             raise ValueError(f"ep and etp must be >= 1, got ep={self.ep}, etp={self.etp}")
         if not hf.is_moe:
@@ -82,7 +94,7 @@ class ModelLayout:
                 "MoE layer refuses tensor parallelism without it in training)"
             )
 
-    def _dense_experts_message(self, hf: HFModelConfig, name: str, model: str) -> str:
+    def _dense_experts_message(self, hf: ModelShape, name: str, model: str) -> str:
         """Why a dense model takes no expert parallelism, and which settings to drop."""
         key = f"{name}." if name else ""
         given = [f"{key}ep={self.ep}"] if self.ep != 1 else []

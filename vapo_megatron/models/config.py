@@ -40,6 +40,13 @@ import torch.nn.functional as F
 
 from vapo_megatron.config.moe import MoESettings
 
+CONFIG_NAME = "config.json"
+"""The file of an HF model directory that holds its architecture."""
+
+LayerSpecKind = Literal["local", "te"]
+"""Which GPT layer spec a model was built with: megatron-core's local one or Transformer
+Engine's. Parameter names differ (``weights/record.py``'s docstring)."""
+
 Family = Literal["qwen2", "llama", "qwen3", "qwen3_moe"]
 Head = Literal["lm", "value"]
 """The model's output: 'lm' (policy: logits over the vocabulary) or 'value' (critic: one scalar

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -38,14 +37,11 @@ from megatron.core.transformer.transformer_block import (
 from vapo_megatron.config.gpu import ResolvedGpuSettings
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.moe import MoESettings
-from vapo_megatron.models.config import Head, HFModelConfig
+from vapo_megatron.models.config import Head, HFModelConfig, LayerSpecKind
 from vapo_megatron.models.norm import RMSNorm
 from vapo_megatron.models.value_head import ValueHead
 from vapo_megatron.parallel.devices import init_device
 from vapo_megatron.parallel.moe_cpu_shim import apply_moe_cpu_shim
-
-if TYPE_CHECKING:  # the name table's spec kinds; models import nothing of weights/
-    from vapo_megatron.weights.record import LayerSpecKind
 
 logger = logging.getLogger(__name__)
 

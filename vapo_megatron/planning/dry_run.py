@@ -220,9 +220,9 @@ def _checkpoint_shards(engine) -> tuple[dict, dict]:
     (the optimizer's from the model's before its factories apply), factories applied."""
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
-    from vapo_megatron.checkpoint.state import TrainableState, sharded_state
+    from vapo_megatron.checkpoint.state import sharded_state
 
-    model_sd, optimizer_sd = sharded_state(TrainableState.from_engine(engine), is_loading=False)
+    model_sd, optimizer_sd = sharded_state(engine.trainable_state(), is_loading=False)
     apply_factories(model_sd)
     apply_factories(optimizer_sd)
     return model_sd, optimizer_sd

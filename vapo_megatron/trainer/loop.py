@@ -292,10 +292,9 @@ class Run:
                 configs[name], head=engine.head, tp=engine.layout.tp, pp=engine.layout.pp,
                 dtype=engine.config.params_dtype, origin={"run_dir": str(self.session.run_dir)},
             )  # fmt: skip
-            out[name] = TrainableState.from_engine(
-                engine, weights_meta=meta,
-                fully_reshardable=self.cfg.trainer.checkpoint_fully_reshardable,
-            )  # fmt: skip
+            out[name] = engine.trainable_state(
+                weights_meta=meta, fully_reshardable=self.cfg.trainer.checkpoint_fully_reshardable
+            )
         return out
 
     def before_step(self) -> None:

@@ -15,6 +15,7 @@ never ``parallel_state``. What megatron still keeps per process is listed in tha
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
@@ -34,6 +35,8 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from vapo_megatron.checkpoint.model import CheckpointMetadata
+from vapo_megatron.checkpoint.state import TrainableState
 from vapo_megatron.config.gpu import GpuSettings, resolve
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.moe import MoESettings
@@ -225,6 +228,27 @@ class ModelEngine:
             pp_rank=self.pp_rank,
             ep_group=self.groups.pg_collection.ep,
             expt_tp_group=self.groups.pg_collection.expt_tp,
+        )
+
+    def trainable_state(
+        self, *, weights_meta: CheckpointMetadata | None = None, fully_reshardable: bool = False
+    ) -> TrainableState:
+        """This model's part of a training checkpoint (``checkpoint/state.py``): its chunks,
+        optimizer, scheduler and the layout a load compares against."""
+        layout = dataclasses.asdict(self.layout)
+        layout.update(
+            dp=self.groups.dp_size,
+            params_dtype=str(self.config.params_dtype),
+            distributed_optimizer=self.chunks[0].ddp_config.use_distributed_optimizer,
+        )
+        return TrainableState(
+            chunks=self.chunks,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            layout=layout,
+            weights_meta=weights_meta,
+            dp_cp_group=self.groups.pg_collection.dp_cp,
+            fully_reshardable=fully_reshardable,
         )
 
     @property

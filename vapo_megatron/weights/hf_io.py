@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
+from vapo_megatron.models.config import CONFIG_NAME
+
 if TYPE_CHECKING:
     from vapo_megatron.config.train import TrainConfig
     from vapo_megatron.models.config import HFModelConfig
 
-CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9

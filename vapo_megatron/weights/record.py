@@ -120,18 +120,14 @@ import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
-from vapo_megatron.models.config import Head, HFModelConfig
+from vapo_megatron.models.config import Head, HFModelConfig, LayerSpecKind
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
-
-LayerSpecKind = Literal["local", "te"]
-"""Which GPT layer spec a model was built with: megatron-core's local one or Transformer
-Engine's. Parameter names differ (see the module docstring)."""
 
 
 class Split(enum.Enum):

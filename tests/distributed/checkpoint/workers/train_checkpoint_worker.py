@@ -81,7 +81,7 @@ class Run:
                     HF_CONFIG.to_dict(), head=head, tp=layout.tp, pp=layout.pp, dtype=dtype
                 )
             self.engines[name] = engine
-            self.states[name] = TrainableState.from_engine(engine, weights_meta=meta)
+            self.states[name] = engine.trainable_state(weights_meta=meta)
         per = len(samples) // groups.dp_size
         mine = samples[groups.dp_rank * per : (groups.dp_rank + 1) * per]
         half = len(mine) // 2

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from vapo_megatron.checkpoint.directory import step_dir_name
 from vapo_megatron.checkpoint.save import CheckpointSaver
-from vapo_megatron.checkpoint.state import TrainableState
 from vapo_megatron.config.recipe import load_recipe
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.collectives import make_host_group
@@ -49,7 +48,7 @@ def main() -> None:
             "param_count": sum(p.numel() for c in engine.chunks for p in c.parameters()),
             "built_bytes": dry_run.engine_bytes(engine),
         }  # fmt: skip
-        states[role] = TrainableState.from_engine(engine)
+        states[role] = engine.trainable_state()
     CheckpointSaver().save(Path(root), 1, states, {}, keep_last=0, group=host)
     # torch_dist names each rank's data files __RANK_*.distcp
     step = Path(root) / step_dir_name(1)
