@@ -116,7 +116,7 @@ vapo_export_env() {
     export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" # compute nodes download nothing
     export VLLM_CONFIGURE_LOGGING=0
     # Transparent huge pages for glibc malloc's mappings: the step's ~170 MB host arrays fault
-    # 2 MiB at a time, not 4 KiB (vapo_megatron/trainer/host_malloc.py); a user's own
+    # 2 MiB at a time, not 4 KiB (vapo_megatron/launch/host_malloc.py); a user's own
     # glibc.malloc.hugetlb (=0 to turn it off) wins. glibc reads it at process start only.
     case ":${GLIBC_TUNABLES:-}:" in
     *:glibc.malloc.hugetlb=*) ;;

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from vapo_megatron.parallel.local_launch import LaunchError, run_local_ranks
+from vapo_megatron.launch.local_launch import LaunchError, run_local_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -104,7 +104,7 @@ def _worker(shape: str, root: Path, distopt: bool) -> None:
 
 
 def run(quick: bool = False, shape: str | None = None) -> dict:
-    from vapo_megatron.parallel.local_launch import run_local_ranks
+    from vapo_megatron.launch.local_launch import run_local_ranks
 
     shape = shape or "tiny"
     rows = []

@@ -155,7 +155,7 @@ def worker(gpu: bool) -> None:
 
 
 def run(quick: bool = False, gpu: bool = False) -> None:
-    from vapo_megatron.parallel.local_launch import run_local_ranks
+    from vapo_megatron.launch.local_launch import run_local_ranks
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo), PYTHONWARNINGS="ignore")

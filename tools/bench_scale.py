@@ -22,11 +22,11 @@ start-up plus the growth times 8,192 / samples. The default measures the full st
 a linear extrapolation misses what does not scale linearly: a rank's whole-step arrays are
 ~40 MB at 2,048 samples and ~170 MB at 8,192, each a fresh mapping every step whose pages the
 kernel zeroes and faults in again (2 MiB at a time with the ranks' huge-page tunable,
-``trainer/host_malloc.py``), and the host collectives' latency is per call, not per sample
+``launch/host_malloc.py``), and the host collectives' latency is per call, not per sample
 (docs/benchmarks.md). Each rank also reports its CPU and system seconds and page faults per
 step. The workers start as the trainer's ranks do (``run_local_ranks``: glibc's huge-page
 tunable; ``GLIBC_TUNABLES=glibc.malloc.hugetlb=0`` turns it off, for an A/B) and set glibc's
-malloc as they do (``trainer/host_malloc.py``; ``BENCH_SCALE_MALLOC=default`` keeps glibc's
+malloc as they do (``launch/host_malloc.py``; ``BENCH_SCALE_MALLOC=default`` keeps glibc's
 defaults); ``BENCH_SCALE_PROFILE=PREFIX`` writes a cProfile of each rank's last step (CPU
 clock) to ``PREFIX.RANK``.
 """
@@ -227,9 +227,9 @@ def worker(samples: int, steps: int, mixed: bool) -> None:
     import torch
     import torch.distributed as dist
 
+    from vapo_megatron.launch.host_malloc import keep_freed_heap
     from vapo_megatron.parallel.collectives import make_host_group
     from vapo_megatron.step import rollout, run
-    from vapo_megatron.trainer.host_malloc import keep_freed_heap
 
     if os.environ.get("BENCH_SCALE_MALLOC") != "default":  # as the trainer's ranks run
         keep_freed_heap()
@@ -275,7 +275,7 @@ def worker(samples: int, steps: int, mixed: bool) -> None:
 def run(quick: bool = False, samples: int | None = None, mixed: bool = False) -> None:
     """``mixed``: the policy TP2 x the critic DP2 (the routed path) instead of both DP2 (one
     layout: the shard path)."""
-    from vapo_megatron.parallel.local_launch import run_local_ranks
+    from vapo_megatron.launch.local_launch import run_local_ranks
 
     steps = bench_steps()
     samples = samples or (256 if quick else STEP_SAMPLES)

@@ -26,7 +26,7 @@ PHASES = ("sync", "rollout", "reward", "rollout_other", "scoring", "advantages",
 
 def run(quick: bool = False) -> dict:
     from vapo_megatron.config.recipe import load_recipe
-    from vapo_megatron.parallel.local_launch import run_local_ranks
+    from vapo_megatron.launch.local_launch import run_local_ranks
 
     steps = 3 if quick else 6
     with tempfile.TemporaryDirectory() as tmp:

@@ -253,7 +253,7 @@ def result_row(sizes: dict, start_s: float, timed: dict, per_rank: list[dict]) -
 
 
 def launch(engine_tp: int, quick: bool, extra_env: dict[str, str] | None = None) -> dict:
-    from vapo_megatron.parallel.local_launch import run_local_ranks
+    from vapo_megatron.launch.local_launch import run_local_ranks
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(

@@ -43,9 +43,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from vapo_megatron.checkpoint import model as ckpt  # noqa: E402
+from vapo_megatron.launch.local_launch import relaunch_as_local_ranks  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
 from vapo_megatron.parallel.collectives import all_gather_objects  # noqa: E402
-from vapo_megatron.parallel.local_launch import relaunch_as_local_ranks  # noqa: E402
 from vapo_megatron.weights import convert as conv  # noqa: E402
 from vapo_megatron.weights import hf_io  # noqa: E402
 

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="HF policy directory (default: model.path)")
     args = parser.parse_args(argv)
     from vapo_megatron.config.recipe import load_recipe
-    from vapo_megatron.parallel.local_launch import relaunch_as_local_ranks, under_launcher
+    from vapo_megatron.launch.local_launch import relaunch_as_local_ranks, under_launcher
 
     try:
         config = load_recipe(args.recipe, args.overrides)

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_dependencies()
     args = parse_args(argv)
     from vapo_megatron.config.recipe import load_recipe
-    from vapo_megatron.parallel.local_launch import relaunch_as_local_ranks, under_launcher
+    from vapo_megatron.launch.local_launch import relaunch_as_local_ranks, under_launcher
 
     # A plain start only checks the recipe and starts the ranks: no transformers to route.
     setup_logging(route_transformers=args.dry_run or under_launcher())
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 config.trainer.local_world_size, logs,
             )  # fmt: skip
             return relaunch_as_local_ranks(config.trainer.local_world_size, log_dir=logs)
-        from vapo_megatron.trainer.host_malloc import keep_freed_heap
+        from vapo_megatron.launch.host_malloc import keep_freed_heap
         from vapo_megatron.trainer.loop import train
 
         open_rank_log(Path(config.trainer.run_dir) / "logs")

@@ -23,7 +23,7 @@ import torch
 from tests.integration.trainer_runs import make_assets, read_metrics
 from tests.launcher import REPO_ROOT
 from vapo_megatron.checkpoint import model as mckpt
-from vapo_megatron.parallel.local_launch import free_port
+from vapo_megatron.launch.local_launch import free_port
 from vapo_megatron.weights import hf_io
 
 pytestmark = pytest.mark.integration
@@ -95,7 +95,7 @@ def test_dry_run_prints_and_validates(script: str, inputs: dict[str, str]) -> No
     # Passed on (and listed) when set, like NCCL_SOCKET_IFNAME; absent otherwise.
     assert ("GLOO_SOCKET_IFNAME=ib0\n" in out) == (script == "vapo_qwen32b.sh")
     assert "GLOO_SOCKET_IFNAME=\n" not in out
-    # Huge pages for malloc's mappings (trainer/host_malloc.py), after the user's tunables.
+    # Huge pages for malloc's mappings (launch/host_malloc.py), after the user's tunables.
     own = "glibc.rtld.nns=2:" if script == "vapo_qwen32b.sh" else ""
     assert f"GLIBC_TUNABLES={own}glibc.malloc.hugetlb=1\n" in out
     assert "srun --nodes=" in out and "--ntasks-per-node=8" in out

@@ -1,6 +1,6 @@
 """Parts that need more than the check's world of one launch their own ranks: a worker module
 of ``gpu_checks`` run as N local processes by the project's launcher
-(``parallel/local_launch.py::run_local_ranks``: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+(``launch/local_launch.py::run_local_ranks``: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 a free MASTER_PORT set; logs to files; a group past its timeout, or with a failed rank, is
 killed). Each rank takes GPU LOCAL_RANK (``trainer/session.py::init_distributed``), NCCL on a
 GPU, gloo with ``--cpu`` (CUDA stays hidden: the children inherit CUDA_VISIBLE_DEVICES="").
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from gpu_checks.frame import CheckFailed
-from vapo_megatron.parallel.local_launch import LaunchError, run_local_ranks
+from vapo_megatron.launch.local_launch import LaunchError, run_local_ranks
 
 TOOLS = Path(__file__).resolve().parents[1]
 REPO_ROOT = TOOLS.parent

@@ -1,4 +1,4 @@
-"""``parallel/local_launch.py`` leaves nothing in the temporary directory.
+"""``launch/local_launch.py`` leaves nothing in the temporary directory.
 
 A launch without ``log_dir`` keeps its ranks' logs in a temporary directory only while it runs:
 the outputs (or the error) carry them, and the directory is gone afterwards, whether the ranks
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vapo_megatron.parallel.local_launch import LaunchError, run_local_ranks
+from vapo_megatron.launch.local_launch import LaunchError, run_local_ranks
 
 pytestmark = pytest.mark.unit
 

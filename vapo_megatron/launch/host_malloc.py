@@ -28,7 +28,7 @@ holds: ~170 MB each at the 32B step's 42M tokens on a DP1 rank) are above any mm
 glibc allows (32 MiB at most), so each is a fresh mapping every step, given back when freed,
 whose pages the kernel zeroes and faults in again: ~390k faults a step with 4 KiB pages on the
 CPU VM at 8,192 samples (``tools/bench_scale.py 8192 mixed``). The ranks are therefore launched
-with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (``launch_tunables``: ``parallel/local_launch.py``
+with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (``launch_tunables``: ``launch/local_launch.py``
 and ``slurm/common.sh`` set it; the user's own ``glibc.malloc.hugetlb`` wins): glibc then
 ``madvise``s its mappings for transparent huge pages, so the kernel maps them 2 MiB at a time
 (~7k faults a step, measured) where THP is ``madvise`` or ``always``. glibc reads the tunable

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from vapo_megatron.trainer.host_malloc import launch_tunables
+from vapo_megatron.launch.host_malloc import launch_tunables
 
 
 def free_port() -> int:
@@ -75,7 +75,7 @@ def _run_ranks(
 ) -> list[str]:
     env_base = dict(os.environ if env is None else env)
     env_base.update(
-        # glibc reads it at start only: huge pages for malloc's mappings (trainer/host_malloc.py)
+        # glibc reads it at start only: huge pages for malloc's mappings (launch/host_malloc.py)
         GLIBC_TUNABLES=launch_tunables(env_base.get("GLIBC_TUNABLES")),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),

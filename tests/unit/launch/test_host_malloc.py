@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vapo_megatron.trainer.host_malloc import (
+from vapo_megatron.launch.host_malloc import (
     keep_freed_heap,
     launch_tunables,
     user_malloc_setting,
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
 ROUND = textwrap.dedent(
     """
     import resource, sys, torch
-    from vapo_megatron.trainer.host_malloc import keep_freed_heap
+    from vapo_megatron.launch.host_malloc import keep_freed_heap
     applied = keep_freed_heap() if sys.argv[1] == "tuned" else False
 
     def one_round():  # 256 blocks of 1 MiB, each written (as a step's rows are), then freed
@@ -80,7 +80,7 @@ def test_the_users_own_malloc_settings_win(environ, owner):
 BIG_ROUND = textwrap.dedent(
     """
     import resource, torch
-    from vapo_megatron.trainer.host_malloc import keep_freed_heap
+    from vapo_megatron.launch.host_malloc import keep_freed_heap
     keep_freed_heap()
 
     def one_round():  # two 64 MiB arrays (above any mmap threshold), written, then freed
@@ -152,7 +152,7 @@ def test_ranks_launch_with_huge_pages_unless_the_user_chose(given, launched):
 
 
 def test_local_ranks_start_with_the_tunable():
-    from vapo_megatron.parallel.local_launch import run_local_ranks
+    from vapo_megatron.launch.local_launch import run_local_ranks
 
     command = [sys.executable, "-c", "import os; print('T=' + os.environ['GLIBC_TUNABLES'])"]
     env = {"PATH": os.environ.get("PATH", ""), "GLIBC_TUNABLES": "glibc.rtld.nns=2"}
