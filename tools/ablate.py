@@ -102,7 +102,7 @@ def scaled_algorithm(name: str, config: TrainConfig) -> dict[str, object]:
 def variant_overrides(name: str, config: TrainConfig) -> list[str]:
     """Recipe overrides of row ``name`` beyond its preset's algorithm keys. vapo_small_critic:
     the critic is its own model, the tiny reward model (1 layer, half the policy's width, the
-    policy's tokenizer; data/tiny_reward_model.py) written next to the policy on first use,
+    policy's tokenizer; tiny/reward_model.py) written next to the policy on first use,
     and starts from it (a value head on another model's trunk cannot start from the policy)."""
     if name != "vapo_small_critic":
         return []
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not (Path(config.model.path) / "config.json").is_file():
             raise ValueError(
                 f"model.path={config.model.path} holds no model; build it first (the long-trace "
-                "recipes: python tools/make_tiny_long.py vapo_megatron/data/tiny_long)"
+                "recipes: python tools/make_tiny_long.py vapo_megatron/tiny/long)"
             )
         plans = {
             name: _algorithm_overrides(scaled_algorithm(VARIANTS.get(name, name), config))

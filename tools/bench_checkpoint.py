@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 WORKER_FLAG = "--bench-checkpoint-worker"
 SHAPES = {
-    # recipes/tiny_cpu.yaml's model (data/tiny_model.py::tiny_qwen2_config; ~400 tokens).
+    # recipes/tiny_cpu.yaml's model (tiny/model.py::tiny_qwen2_config; ~400 tokens).
     "tiny": dict(
         hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, vocab_size=400, dtype="float32",

@@ -48,7 +48,7 @@ from vapo_megatron.config.train import TrainConfig  # noqa: E402
 
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "demo.yaml"
 CONVERT = REPO_ROOT / "tools" / "convert.py"
-SHIPPED_MODEL = REPO_ROOT / "vapo_megatron" / "data" / "tiny_demo"
+SHIPPED_MODEL = REPO_ROOT / "vapo_megatron" / "tiny" / "demo"
 """tools/make_tiny.py's output for recipes/demo.yaml's values, so `make demo` skips the warm-up."""
 ASSETS_STAMP_VERSION = 2
 """Bump when what the assets are made of changes, so old ones are rebuilt."""
@@ -57,8 +57,8 @@ ASSETS_STAMP_VERSION = 2
 def prepare_assets(config: TrainConfig, *, log=print) -> dict[str, float]:
     """Builds the task's splits, the warmed-up tiny model and its Megatron checkpoint where
     missing or made with other values; returns the seconds each part took (0 when reused)."""
-    from vapo_megatron.data.synthetic import make_splits
-    from vapo_megatron.data.tiny_model import write_tiny_model
+    from vapo_megatron.tiny.model import write_tiny_model
+    from vapo_megatron.tiny.synthetic import make_splits
 
     model, data = config.model, config.data
     train_path, eval_path = Path(data.train_path), Path(data.eval_path or "")

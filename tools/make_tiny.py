@@ -7,7 +7,7 @@ OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (plain rows, graded by DAPO's grader)
 wall and CPU seconds, and the eval pass rate (greedy and temperature 1) when a warm-up ran.
 When OUT_DIR already holds outputs made with the same parameters (OUT_DIR/stamp.json) nothing
 is redone and the recorded line is printed again, with "reused": true. recipes/demo.yaml's
-model (shipped in vapo_megatron/data/tiny_demo): --warmup-steps 8000 --slip-rate 0.15
+model (shipped in vapo_megatron/tiny/demo): --warmup-steps 8000 --slip-rate 0.15
 --guess-rate 0.5 --template raw (~700 CPU seconds; 18% pass at temperature 1 on the eval
 split); 0 steps leaves the random model (0%).
 """
@@ -60,8 +60,8 @@ def main() -> None:
     # `make demo` calls this on every run.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vapo_megatron.data.synthetic import make_splits, read_rows
-    from vapo_megatron.data.tiny_model import pass_rate, write_tiny_model
+    from vapo_megatron.tiny.model import pass_rate, write_tiny_model
+    from vapo_megatron.tiny.synthetic import make_splits, read_rows
 
     start, start_cpu = time.perf_counter(), time.process_time()
     train_path, eval_path = make_splits(out_dir, args.n_train, args.n_eval, args.seed)

@@ -4,17 +4,17 @@
         [--warmup-problems 40000] [--orm-prompts 256] [--orm-steps 150] [--n-train 2000]
         [--n-eval 200] [--eval-prompts 100]
 
-OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (``data/long_trace.py``, graded by the long_trace
+OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (``tiny/long_trace.py``, graded by the long_trace
 verifier), OUT_DIR/model (tokenizer + Qwen2ForCausalLM warmed up on slipping traces of fresh
 problems; the defaults are the shipped build, ~28 minutes on a shared core) and
 OUT_DIR/reward_model (Qwen2ForSequenceClassification: the policy's trunk and a scalar head
 trained on the policy's own samples with the verifier's score at the last token only;
-``data/tiny_long.py``). Prints one JSON line: sizes, seconds, the policy's pass rates (greedy
+``tiny/long_model.py``). Prints one JSON line: sizes, seconds, the policy's pass rates (greedy
 and temperature 1) and response lengths on the eval split, and the reward model's fit on fresh
 samples of the eval prompts (sign accuracy at the last token, and its value at the first
 response token against the mean score, the bias value pretraining removes). Like
 tools/make_tiny.py, OUT_DIR/stamp.json records the parameters and a rerun with the same ones
-does nothing. vapo_megatron/data/tiny_long holds the output of the stamp's command; the
+does nothing. vapo_megatron/tiny/long holds the output of the stamp's command; the
 recipes recipes/ablation_long*.yaml read it from there. Convert the reward model for a critic
 with ``tools/convert.py hf-to-mcore --hf OUT_DIR/reward_model --out DIR --critic-from
 reward-model``.
@@ -63,7 +63,7 @@ def policy_measures(model_dir: Path, rows: list[dict], seed: int) -> dict[str, f
     """The policy's pass rates (greedy, T = 1) and T = 1 response lengths on ``rows``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vapo_megatron.data.tiny_long import sample
+    from vapo_megatron.tiny.long_model import sample
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -85,7 +85,7 @@ def reward_model_measures(orm_dir: Path, model_dir: Path, rows: list[dict], seed
     the last against the mean score."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from vapo_megatron.data.tiny_long import sample, token_values
+    from vapo_megatron.tiny.long_model import sample, token_values
 
     policy = AutoModelForCausalLM.from_pretrained(model_dir)
     orm = AutoModelForSequenceClassification.from_pretrained(orm_dir)
@@ -107,8 +107,8 @@ def reward_model_measures(orm_dir: Path, model_dir: Path, rows: list[dict], seed
 
 def build(args: argparse.Namespace) -> dict:
     """Writes everything into args.out_dir; returns the result line."""
-    from vapo_megatron.data.long_trace import make_splits, read_rows
-    from vapo_megatron.data.tiny_long import write_long_policy, write_reward_model
+    from vapo_megatron.tiny.long_model import write_long_policy, write_reward_model
+    from vapo_megatron.tiny.long_trace import make_splits, read_rows
 
     out_dir: Path = args.out_dir
     start, start_cpu = time.perf_counter(), time.process_time()

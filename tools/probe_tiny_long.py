@@ -1,6 +1,6 @@
 """Teacher-forced probe of a long-trace policy: the probability it gives each part of a correct trace.
 
-    python tools/probe_tiny_long.py [--model vapo_megatron/data/tiny_long/model] [--prompts 100]
+    python tools/probe_tiny_long.py [--model vapo_megatron/tiny/long/model] [--prompts 100]
 
 For the first N held-out prompts (``eval.jsonl`` beside the model directory, or ``--eval``)
 the model reads the prompt (encoded as the trainer encodes it) and the correct worked solution
@@ -32,7 +32,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-DEFAULT_MODEL = REPO_ROOT / "vapo_megatron" / "data" / "tiny_long" / "model"
+DEFAULT_MODEL = REPO_ROOT / "vapo_megatron" / "tiny" / "long" / "model"
 LINE = re.compile(r"(\d+)( [a-z])(:)(\d+)([-+])(\d+)(=)(\d+)")
 LINE_PARTS = ("round", "letter", ":", "value", "sign", "operand", "=", "result")
 ANSWER = re.compile(r"(Answer:)( \d+)")
@@ -72,9 +72,9 @@ def probe(model_dir: Path, eval_path: Path, prompts: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-    from vapo_megatron.data.long_trace import read_rows, solve
-    from vapo_megatron.data.tiny_long import prompt_ids
-    from vapo_megatron.data.tiny_model import EOS_TOKEN, PAD_TOKEN
+    from vapo_megatron.tiny.long_model import prompt_ids
+    from vapo_megatron.tiny.long_trace import read_rows, solve
+    from vapo_megatron.tiny.model import EOS_TOKEN, PAD_TOKEN
 
     torch.set_num_threads(1)
     rows = read_rows(eval_path)[:prompts]

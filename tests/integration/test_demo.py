@@ -179,7 +179,7 @@ def test_shipped_model_regenerates(tmp_path):
     of the difference, sqrt(2 p (1 - p) / 200), is 0.021 at greedy's p = 0.045 and 0.038 at
     T=1's p = 0.18, so greedy may read 0.0 to 0.11 and T=1 0.07 to 0.30; a model that never
     answers (0 at T=1) is 6 standard errors off."""
-    shipped = REPO_ROOT / "vapo_megatron" / "data" / "tiny_demo"
+    shipped = REPO_ROOT / "vapo_megatron" / "tiny" / "demo"
     stamp = json.loads((shipped / "stamp.json").read_text())
     values = stamp["params"]
     out = run_tool(

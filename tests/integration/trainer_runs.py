@@ -25,8 +25,8 @@ STEP_KEYS = (
 
 def make_assets(root: Path) -> dict[str, str]:
     """The tiny task's splits and a random-weight tiny model under ``root``; recipe overrides."""
-    from vapo_megatron.data.synthetic import make_splits
-    from vapo_megatron.data.tiny_model import write_tiny_model
+    from vapo_megatron.tiny.model import write_tiny_model
+    from vapo_megatron.tiny.synthetic import make_splits
 
     train, eval_ = make_splits(root, 400, 40, seed=0)
     write_tiny_model(root / "model", seed=0, train_path=train, template="raw")

@@ -13,7 +13,7 @@ from vapo_megatron import train
 
 pytestmark = pytest.mark.unit
 TINY = str(REPO_ROOT / "recipes" / "tiny_cpu.yaml")
-DENSE_MODEL = REPO_ROOT / "vapo_megatron" / "data" / "tiny_demo" / "model"
+DENSE_MODEL = REPO_ROOT / "vapo_megatron" / "tiny" / "demo" / "model"
 
 
 class RankStarted(Exception):

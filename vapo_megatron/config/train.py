@@ -33,7 +33,7 @@ class ModelSettings:
     tiny_seed: int = 0
     """Seed of the tiny task, tokenizer and initial weights (create_tiny only)."""
     tiny_family: Literal["qwen2", "qwen3", "qwen3_moe"] = "qwen2"
-    """HF model type of the tiny policy (create_tiny only; data/tiny_model.py TINY_FAMILIES)."""
+    """HF model type of the tiny policy (create_tiny only; tiny/model.py TINY_FAMILIES)."""
     tiny_warmup_steps: int = 0
     """Supervised warm-up steps of the tiny policy, so RL starts from a non-zero pass rate (create_tiny only)."""
     tiny_slip_rate: float = 0.0

@@ -1,4 +1,4 @@
-"""The verifier of the long-trace task (``data/long_trace.py``): the answer line alone.
+"""The verifier of the long-trace task (``tiny/long_trace.py``): the answer line alone.
 
 The response must end with the line ``Answer: N`` (trailing whitespace and the end-of-text
 token's absence aside); it is correct when N, an integer, equals the ground truth. The lines
@@ -26,7 +26,7 @@ def grade(response: str, ground_truth: str) -> GradeResult:
     if not ground_truth.strip().isdigit():
         raise ValueError(
             f"long_trace ground truth must be a non-negative integer, got {ground_truth!r}; "
-            "rows come from data/long_trace.py"
+            "rows come from tiny/long_trace.py"
         )
     lines = response.rstrip().split("\n")
     match = ANSWER_LINE.fullmatch(lines[-1].strip())

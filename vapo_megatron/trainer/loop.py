@@ -23,11 +23,11 @@ from vapo_megatron.checkpoint.save import CheckpointSaver
 from vapo_megatron.checkpoint.state import TrainableState
 from vapo_megatron.config.recipe import config_to_dict, dump_config
 from vapo_megatron.config.train import TrainConfig
-from vapo_megatron.data.tiny_assets import ensure_tiny_assets
-from vapo_megatron.data.tiny_reward_model import ensure_tiny_critic
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.step.run import run_step
+from vapo_megatron.tiny.assets import ensure_tiny_assets
+from vapo_megatron.tiny.reward_model import ensure_tiny_critic
 from vapo_megatron.trainer.evaluation import evaluate
 from vapo_megatron.trainer.metrics import MetricsLogger
 from vapo_megatron.trainer.preemption import PreemptionFlag

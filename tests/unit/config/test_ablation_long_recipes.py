@@ -46,7 +46,7 @@ def test_paper_values_and_the_shipped_models():
     assert (algo.eps_low, algo.eps_high, algo.positive_nll_coef) == (0.2, 0.28, 0.1)
     assert algo.critic_init == "reward_model" and algo.samples_per_prompt > 1
     assert Path(REPO_ROOT / config.critic.init_path).name == "reward_model"
-    assert config.data.train_path.startswith("vapo_megatron/data/tiny_long/")
+    assert config.data.train_path.startswith("vapo_megatron/tiny/long/")
     assert not config.model.create_tiny
     ppo = load_recipe(ROWS["ppo"]).algorithm
     assert (ppo.critic_init, ppo.value_pretrain_steps, ppo.samples_per_prompt) == (

@@ -14,7 +14,7 @@ from vapo_megatron.weights import hf_io
 
 pytestmark = pytest.mark.unit
 TINY = REPO_ROOT / "recipes" / "tiny_cpu.yaml"
-DENSE_MODEL = REPO_ROOT / "vapo_megatron" / "data" / "tiny_demo" / "model"  # a qwen2
+DENSE_MODEL = REPO_ROOT / "vapo_megatron" / "tiny" / "demo" / "model"  # a qwen2
 
 
 def tiny(*overrides: str):

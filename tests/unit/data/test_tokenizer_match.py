@@ -13,7 +13,7 @@ from tests.launcher import REPO_ROOT
 from vapo_megatron.data.tokenizer_match import check_same_tokenizer, tokenizer_differences
 
 pytestmark = pytest.mark.unit
-SHIPPED = REPO_ROOT / "vapo_megatron" / "data" / "tiny_demo" / "model"
+SHIPPED = REPO_ROOT / "vapo_megatron" / "tiny" / "demo" / "model"
 FILES = ("tokenizer.json", "tokenizer_config.json")
 
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from vapo_megatron.config.layout import ModelLayout, check_layout_pair, layout_sizes
-from vapo_megatron.data.tiny_model import tiny_qwen3_config, train_tokenizer
 from vapo_megatron.models.config import HFModelConfig
+from vapo_megatron.tiny.model import tiny_qwen3_config, train_tokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -8,10 +8,10 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.moe import MoESettings
-from vapo_megatron.data.tiny_model import tiny_qwen3_config, train_tokenizer
 from vapo_megatron.models import provider
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.norm import RMSNorm
+from vapo_megatron.tiny.model import tiny_qwen3_config, train_tokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -41,7 +41,7 @@ def test_a_line_of_another_shape_is_refused():
 
 
 def test_probe_of_the_shipped_policy():
-    model = REPO_ROOT / "vapo_megatron" / "data" / "tiny_long" / "model"
+    model = REPO_ROOT / "vapo_megatron" / "tiny" / "long" / "model"
     result = probe(model, model.parent / "eval.jsonl", prompts=4)
     assert result["prompts"] == 4
     assert list(result["p_correct"]) == list(ORDER)  # every part, in a line's order

@@ -21,7 +21,7 @@ from vapo_megatron.weights.critic import (
 
 pytestmark = pytest.mark.unit
 TINY = REPO_ROOT / "recipes" / "tiny_cpu.yaml"
-SHIPPED = REPO_ROOT / "vapo_megatron" / "data" / "tiny_demo" / "model"
+SHIPPED = REPO_ROOT / "vapo_megatron" / "tiny" / "demo" / "model"
 
 
 def model_dir(path: Path, **changes) -> Path:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.launcher import REPO_ROOT
 from vapo_megatron.config.recipe import load_recipe
-from vapo_megatron.data.synthetic import make_splits
+from vapo_megatron.tiny.synthetic import make_splits
 
 pytestmark = pytest.mark.unit
 

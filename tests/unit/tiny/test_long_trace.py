@@ -8,7 +8,9 @@ import statistics
 
 import pytest
 
-from vapo_megatron.data.long_trace import (
+from vapo_megatron.rewards.long_trace import grade
+from vapo_megatron.rewards.registry import resolve_routing, score_responses
+from vapo_megatron.tiny.long_trace import (
     DATA_SOURCE,
     MAX_ROUNDS,
     MAX_START,
@@ -22,8 +24,6 @@ from vapo_megatron.data.long_trace import (
     solve,
     worked_solution,
 )
-from vapo_megatron.rewards.long_trace import grade
-from vapo_megatron.rewards.registry import resolve_routing, score_responses
 
 pytestmark = pytest.mark.unit
 

@@ -35,8 +35,8 @@ def ensure_tiny_assets(config: TrainConfig, host_group: dist.ProcessGroup) -> No
 def write_missing_tiny_assets(model: ModelSettings, data: DataSettings) -> None:
     """Write the task's splits (data.train_path, data.eval_path) and the tiny model
     (model.path), each only where it is missing (one process)."""
-    from vapo_megatron.data.synthetic import make_splits
-    from vapo_megatron.data.tiny_model import write_tiny_model
+    from vapo_megatron.tiny.model import write_tiny_model
+    from vapo_megatron.tiny.synthetic import make_splits
 
     train_path = Path(data.train_path)
     eval_path = Path(data.eval_path) if data.eval_path else None

@@ -7,15 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from vapo_megatron.data.long_trace import make_rows, make_splits, read_rows, solve
-from vapo_megatron.data.tiny_long import (
+from vapo_megatron.tiny.long_model import (
     last_token_values,
     sample,
     token_values,
     write_long_policy,
     write_reward_model,
 )
-from vapo_megatron.data.tiny_model import tiny_qwen2_config, train_tokenizer
+from vapo_megatron.tiny.long_trace import make_rows, make_splits, read_rows, solve
+from vapo_megatron.tiny.model import tiny_qwen2_config, train_tokenizer
 from vapo_megatron.weights.critic import VALUE_HEAD, reward_model_hf_tensors
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from vapo_megatron.data.synthetic import (
+from vapo_megatron.data.templates import dapo_instruction
+from vapo_megatron.rewards.dapo_math import grade
+from vapo_megatron.tiny.model import pass_rate, train_tokenizer, write_tiny_model
+from vapo_megatron.tiny.synthetic import (
     MAX_TERMS,
     MAX_VALUE,
     MIN_TERMS,
@@ -25,9 +28,6 @@ from vapo_megatron.data.synthetic import (
     solve,
     worked_solution,
 )
-from vapo_megatron.data.templates import dapo_instruction
-from vapo_megatron.data.tiny_model import pass_rate, train_tokenizer, write_tiny_model
-from vapo_megatron.rewards.dapo_math import grade
 
 pytestmark = pytest.mark.unit
 LINE = re.compile(r"([a-j]):(\d+)([-+*])(\d+)=(\d+)")

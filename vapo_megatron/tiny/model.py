@@ -45,7 +45,10 @@ from transformers import (
 )
 
 from vapo_megatron.data.prompts import PromptRecord
-from vapo_megatron.data.synthetic import (
+from vapo_megatron.data.templates import DAPO_PREFIX, DAPO_SUFFIX, encode_prompt
+from vapo_megatron.parallel.devices import HOST
+from vapo_megatron.rewards.dapo_math import grade
+from vapo_megatron.tiny.synthetic import (
     DATA_SOURCE,
     guessed_solution,
     make_rows,
@@ -54,8 +57,6 @@ from vapo_megatron.data.synthetic import (
     solve,
     worked_solution,
 )
-from vapo_megatron.data.templates import DAPO_PREFIX, DAPO_SUFFIX, encode_prompt
-from vapo_megatron.rewards.dapo_math import grade
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -316,7 +317,7 @@ def warm_up(
                 )
                 for i in batches.pop()
             ]
-            input_ids, labels, attention_mask = _collate(batch, tokenizer.pad_token_id)
+            input_ids, labels, attention_mask = collate(batch, tokenizer.pad_token_id)
             loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -436,10 +437,11 @@ def _length_bucketed_batches(
     return batches
 
 
-def _collate(
+def collate(
     batch: Sequence[tuple[list[int], list[int]]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input_ids, labels (-100 on prompt and padding), attention_mask: each [B, T]."""
+    """Right-padded input_ids, labels (-100 on prompt and padding), attention_mask: each [B, T]
+    (host tensors: the tiny models train on the host). ``batch``: (prompt, response) ids."""
     width = max(len(p) + len(r) for p, r in batch)
     input_ids, labels, attention_mask = [], [], []
     for prompt, response in batch:
@@ -447,4 +449,8 @@ def _collate(
         input_ids.append(prompt + response + [pad_id] * pad)
         labels.append([-100] * len(prompt) + response + [-100] * pad)
         attention_mask.append([1] * (len(prompt) + len(response)) + [0] * pad)
-    return torch.tensor(input_ids), torch.tensor(labels), torch.tensor(attention_mask)
+    return (
+        torch.tensor(input_ids, device=HOST),
+        torch.tensor(labels, device=HOST),
+        torch.tensor(attention_mask, device=HOST),
+    )

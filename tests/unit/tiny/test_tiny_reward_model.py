@@ -1,5 +1,5 @@
 """critic.create_tiny: the tiny reward model is 1 layer of half the policy's width with the
-policy's tokenizer, seeded, written once at critic.model (data/tiny_reward_model.py)."""
+policy's tokenizer, seeded, written once at critic.model (tiny/reward_model.py)."""
 
 import json
 
@@ -9,13 +9,13 @@ import torch.distributed as dist
 
 from tests.launcher import REPO_ROOT
 from vapo_megatron.config.recipe import load_recipe
-from vapo_megatron.data.tiny_reward_model import ensure_tiny_critic
 from vapo_megatron.data.tokenizer_match import tokenizer_differences
+from vapo_megatron.tiny.reward_model import ensure_tiny_critic
 from vapo_megatron.weights.hf_io import HFCheckpoint
 
 pytestmark = pytest.mark.unit
 RECIPE = REPO_ROOT / "recipes" / "tiny_cpu_small_critic.yaml"
-POLICY = REPO_ROOT / "vapo_megatron" / "data" / "tiny_demo" / "model"
+POLICY = REPO_ROOT / "vapo_megatron" / "tiny" / "demo" / "model"
 
 
 def test_written_once_with_the_policys_tokenizer_and_half_its_width(tmp_path):

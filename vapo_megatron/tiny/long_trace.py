@@ -16,14 +16,14 @@ round, one operation a line, naming the round and the operation, and ends with t
 Every step is the same small lookup (the operation by its letter, the next letter and round by
 the previous line's) and one sum modulo 100. Every number in a prompt is one digit, so a
 prompt is the same tokens whichever way digits are grouped (transformers' Qwen2 tokenizer
-splits every digit, the tiny tokenizer groups them; see tiny_long.py); the numbers of the
+splits every digit, the tiny tokenizer groups them; see long_model.py); the numbers of the
 responses, which only the model writes, are each one token of the tiny tokenizer, ~9 tokens
 a line. Rounds x operations run from 2 to 63 lines: responses of ~25 to ~575 tokens, mean
 ~210, spread over the whole range: long chain-of-thought in miniature.
 
 A slip (``worked_solution(..., slip_rate=)``) is a line whose result is off by 1 or 2 and is
 carried on, so a slip on any line, the first or the fifty-fifth, breaks the answer. The tiny
-policy is warmed up on solutions that slip (``tiny_long.write_long_policy``): it knows every
+policy is warmed up on solutions that slip (``long_model.write_long_policy``): it knows every
 step, slips at about that rate a line, and its pass rate falls with the response's length.
 The verifier (``rewards/long_trace.py``) reads the answer line alone: a reward at the last
 token, which the critic has to carry back over hundreds of tokens to the slip.

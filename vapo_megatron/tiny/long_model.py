@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
-from vapo_megatron.data.long_trace import make_rows, parse, read_rows, solve, worked_solution
 from vapo_megatron.data.prompts import PromptRecord
 from vapo_megatron.data.templates import encode_prompt
-from vapo_megatron.data.tiny_model import tiny_qwen2_config, train_tokenizer
 from vapo_megatron.rewards.long_trace import grade
+from vapo_megatron.tiny.long_trace import make_rows, parse, read_rows, solve, worked_solution
+from vapo_megatron.tiny.model import collate, tiny_qwen2_config, train_tokenizer
 
 logger = logging.getLogger("vapo_megatron")
 
@@ -236,20 +236,6 @@ def prompt_ids(row: dict[str, str], tokenizer: Any) -> list[int]:
     record = PromptRecord(index=0, data_source=row["data_source"], messages=None,
                           text=row["prompt"], answer=row["answer"])  # fmt: skip
     return encode_prompt(record, tokenizer, "raw")
-
-
-def collate(
-    batch: Sequence[tuple[list[int], list[int]]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input_ids, labels (-100 on prompt and padding), attention_mask: each [B, T]."""
-    width = max(len(p) + len(r) for p, r in batch)
-    input_ids, labels, mask = [], [], []
-    for prompt, response in batch:
-        pad = width - len(prompt) - len(response)
-        input_ids.append(prompt + response + [pad_id] * pad)
-        labels.append([-100] * len(prompt) + response + [-100] * pad)
-        mask.append([1] * (len(prompt) + len(response)) + [0] * pad)
-    return torch.tensor(input_ids), torch.tensor(labels), torch.tensor(mask)
 
 
 def _train(model, lengths, batch_of, loss_of, *, steps, seed, lr, batch_size) -> dict[str, float]:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from tests.launcher import REPO_ROOT
 from vapo_megatron.config.recipe import load_recipe
-from vapo_megatron.data.tiny_assets import ensure_tiny_assets, write_missing_tiny_assets
+from vapo_megatron.tiny.assets import ensure_tiny_assets, write_missing_tiny_assets
 
 pytestmark = pytest.mark.unit
 TINY = REPO_ROOT / "recipes" / "tiny_cpu.yaml"
