@@ -7,6 +7,13 @@ ranks split each micro-batch's sequences (``data/packing.py``). Per-token result
 through a ``flat_index`` field: the position of each response token in the step's flat
 response-token buffer, so a sample's results stay attached to it however the samples are
 reordered, packed or split (verl #1440, #2185 lost them).
+
+Lockstep. A model whose forward runs a collective over a group that spans its DP ranks (an
+MoE model at ep > 1: megatron's token dispatcher, alltoall or allgather, over the
+expert-parallel group in every MoE layer of every micro-batch, forward and backward) needs
+every DP rank to run as many micro-batches in each pass, or the rank with more waits for
+ever. ``line_up`` pads a rank's micro-batches with empty ones up to the most any rank packs
+(``agreed_count``); a dense model (or ep = 1) is left as it is, with no extra collective.
 """
 
 from __future__ import annotations
@@ -15,10 +22,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.data.packing import MicroBatch, Sample, pack, pack_many
 from vapo_megatron.models.router_replay import ROUTES
+from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.context_parallel import split_packed_for_cp
 from vapo_megatron.parallel.devices import HOST
 
@@ -222,10 +231,14 @@ def _packed_length(samples: Sequence[Sample], cp_multiple: int) -> int:
 
 
 def empty_micro_batch(
-    layout: ModelLayout, *, cp_rank: int, field_names: Sequence[str]
+    layout: ModelLayout, *, cp_rank: int, field_names: Sequence[str], length: int | None = None
 ) -> MicroBatch:
-    """A micro-batch whose every position is masked: zero loss, zero gradient, same collectives."""
-    length = 2 * layout.cp * max(layout.tp if layout.sequence_parallel else 1, 1)
+    """A micro-batch whose every position is masked: zero loss, zero gradient, same collectives.
+    It has no ``ROUTES`` (its routers keep their own top-k and count no agreement).
+    ``length``: its row's tokens before the CP split (under PP the plan's one row length, a
+    multiple of 2 * cp and of tp under SP); None: the shortest such row."""
+    if length is None:
+        length = 2 * layout.cp * max(layout.tp if layout.sequence_parallel else 1, 1)
     fields = {name: torch.zeros(1, device=HOST) for name in field_names if name != ROUTES}
     for index in (FLAT_INDEX, LOCAL_INDEX):
         if index in fields:
@@ -238,6 +251,64 @@ def empty_micro_batch(
     mb.num_seqs = 0
     mb.response_runs = None if mb.response_runs is None else []
     return mb
+
+
+def runs_in_lockstep(layout: ModelLayout) -> bool:
+    """Whether every DP rank of a model of ``layout`` must run as many micro-batches in a pass:
+    its forward runs a collective over a group that spans DP ranks. That is the MoE token
+    dispatcher's over the EP group when ep > 1 (megatron-core 0.16.1, alltoall and allgather).
+    The EP group spans DP ranks only where etp * ep > tp * cp, but ep > 1 is taken as the rule:
+    one host all-reduce a pass is cheap, and a layout rule that is wrong hangs. Router losses
+    reduce over TP x CP only, so an MoE model at ep = 1 runs as a dense one does."""
+    return layout.ep > 1
+
+
+def agreed_count(count: int, layout: ModelLayout, host_group: dist.ProcessGroup | None) -> int:
+    """The most micro-batches any rank runs in this pass (``count`` here) where the model runs
+    in lockstep (``runs_in_lockstep``), else ``count``. Collective over ``host_group`` then
+    (gloo, every rank): the count is host bookkeeping known before anything reaches the
+    device, so it needs no device tensor and no device sync to read back, and the max over
+    every rank is the max over the model's DP x CP ranks (the TP and PP ranks of one DP x CP
+    rank pack the same micro-batches). Every rank calls it at the same point of the pass."""
+    if not runs_in_lockstep(layout):
+        return count
+    most = torch.tensor([count], dtype=torch.long, device=HOST)
+    collectives.all_reduce(most, host_group, dist.ReduceOp.MAX)
+    return int(most)
+
+
+def pad_micro_batches(
+    mbs: Sequence[MicroBatch],
+    count: int,
+    layout: ModelLayout,
+    *,
+    cp_rank: int,
+    field_names: Sequence[str],
+) -> list[MicroBatch]:
+    """``mbs`` followed by empty micro-batches (``empty_micro_batch``: nothing to learn from,
+    no routes) up to ``count``; under PP each of the row length of ``mbs`` (one length for
+    the pipeline's schedule)."""
+    length = mbs[0].seq_length if mbs and layout.pp > 1 else None
+    pads = [
+        empty_micro_batch(layout, cp_rank=cp_rank, field_names=field_names, length=length)
+        for _ in range(count - len(mbs))
+    ]
+    return [*mbs, *pads]
+
+
+def line_up(
+    mbs: Sequence[MicroBatch],
+    layout: ModelLayout,
+    *,
+    cp_rank: int,
+    field_names: Sequence[str],
+    host_group: dist.ProcessGroup | None,
+) -> list[MicroBatch]:
+    """This rank's micro-batches of one pass, padded with empty ones to as many as every DP
+    rank runs (``agreed_count``; unchanged, with no collective, for a model that does not run
+    in lockstep). Collective over ``host_group`` where it runs in lockstep."""
+    count = agreed_count(len(mbs), layout, host_group)
+    return pad_micro_batches(mbs, count, layout, cp_rank=cp_rank, field_names=field_names)
 
 
 def build_samples(

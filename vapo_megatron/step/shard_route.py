@@ -44,9 +44,10 @@ from vapo_megatron.step.advantages import gae_on_cp_shards
 from vapo_megatron.step.batching import (
     FLAT_INDEX,
     LOCAL_INDEX,
+    agreed_count,
     build_samples,
     dp_owners,
-    empty_micro_batch,
+    pad_micro_batches,
     plan_micro_batches,
 )
 from vapo_megatron.step.critic_routes import keep_sample_routes, whole_rows
@@ -307,16 +308,22 @@ def _chunks(
     cp: int,
 ) -> Iterator[tuple[list[MicroBatch], list[int]]]:
     """(micro-batches, their sample ids) a few at a time; one chunk under a pipeline (its
-    schedule wants every micro-batch of the pass at once)."""
+    schedule wants every micro-batch of the pass at once). A model that runs in lockstep
+    (``batching.runs_in_lockstep``: EP > 1) pads to as many micro-batches as any DP rank packs
+    (``agreed_count``, over the host group), so chunk k has the same count on every rank."""
     names = [FLAT_INDEX, LOCAL_INDEX] if cp > 1 else []
-    if not samples:
-        yield [empty_micro_batch(engine.layout, cp_rank=engine.cp_rank, field_names=names)], []
-        return
-    plan = plan_micro_batches(samples, engine.layout, token_budget=token_budget)
-    size = len(plan.groups) if engine.layout.pp > 1 else SCORING_CHUNK
+    layout = engine.layout
+    plan = plan_micro_batches(samples, layout, token_budget=token_budget) if samples else None
+    groups = plan.groups if plan is not None else []
+    total = agreed_count(max(len(groups), 1), layout, engine.groups.host)
+    size = total if layout.pp > 1 else SCORING_CHUNK
     done = 0
-    for first in range(0, len(plan.groups), size):
-        groups = plan.groups[first : first + size]
-        count = sum(len(g) for g in groups)
-        yield plan.pack(groups, engine.cp_rank), ids[done : done + count]
+    for first in range(0, total, size):
+        chunk = groups[first : first + size]
+        count = sum(len(g) for g in chunk)
+        mbs = plan.pack(chunk, engine.cp_rank) if chunk else []
+        padded = pad_micro_batches(
+            mbs, min(size, total - first), layout, cp_rank=engine.cp_rank, field_names=names
+        )
+        yield padded, ids[done : done + count]
         done += count

@@ -6,6 +6,8 @@ each model's data-parallel rank trains on the samples whose fields it holds
 sequences, tokens of correct responses) are counted over all its micro-batches and reduced
 over the model's data x context group *before* the backward pass, so the update equals the
 single-device update of the whole mini-batch for any split (``parallel/reductions.py``).
+An MoE model at EP > 1 runs as many micro-batches on each of its DP ranks (empty ones pad the
+shorter shares: ``batching.line_up``), since its token dispatcher's collectives span them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from vapo_megatron.data.packing import MicroBatch, Sample
 from vapo_megatron.parallel.collectives import all_gather_objects, all_reduce
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.parallel.reductions import LossNormalisers, global_loss_normalisers
-from vapo_megatron.step.batching import ROUTES, Ragged, build_samples, dp_share, micro_batches
+from vapo_megatron.step.batching import (
+    ROUTES,
+    Ragged,
+    build_samples,
+    dp_share,
+    line_up,
+    micro_batches,
+)
 from vapo_megatron.step.losses import policy_loss_fn, value_loss_fn
 from vapo_megatron.step.scoring import OutputRoute, TokenFields
 from vapo_megatron.step.timing import Timer
@@ -286,7 +295,15 @@ def train_on_micro_batches(
     """As :func:`train_on_share`, on this rank's share already packed (``num_samples``
     samples in ``mbs``): e.g. once for the critic and the policy where both take the same
     samples on one layout. ``field_names``: the fields this model's loss reads (the others
-    stay behind, never copied to its device); None keeps every field."""
+    stay behind, never copied to its device); None keeps every field. A model that runs in
+    lockstep (``batching.runs_in_lockstep``: EP > 1) first pads ``mbs`` with empty
+    micro-batches to as many as any of its DP ranks runs (``batching.line_up``, over the host
+    group): they add nothing to the normalisers, losses, metrics or routes."""
+    names = list(field_names) if field_names is not None else list(mbs[0].fields)
+    mbs = line_up(
+        mbs, engine.layout, cp_rank=engine.cp_rank, field_names=names,
+        host_group=engine.groups.host,
+    )  # fmt: skip
     if field_names is not None:  # routes only where packed (an empty micro-batch has none)
         mbs = [
             mb.with_fields([n for n in field_names if n != ROUTES or n in mb.fields]) for mb in mbs
