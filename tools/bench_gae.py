@@ -2,7 +2,9 @@
 
 Then the 32B recipe's step shape (8,192 samples, lognormal response lengths capped at 20,480,
 about 42M tokens): decoupled packed GAE (both lambdas, no padding) against a memcpy of the
-bytes it reads and writes (fp32 rewards and values in, advantages and returns out).
+bytes it reads and writes (fp32 rewards and values in, advantages and returns out), and with
+truncated importance traces (V-trace with lambda: per-token ratios pi_old / mu, both rows
+scanned) against without, in the same run.
 Also prints what context-parallel GAE sends per sequence (a carry per chunk) against
 gathering the sequence's values, rewards and mask on every rank.
 """
@@ -115,6 +117,12 @@ def run(quick: bool = False) -> None:
     print(f"\n32B step shape: {samples} samples, {num_tokens:,} response tokens")
     print(f"{'packed GAE s':>13} {'memcpy s':>9} {'ratio':>6}")
     print(f"{gae_s:13.3f} {memcpy_s:9.3f} {gae_s / memcpy_s:6.1f}")
+    # Ratios of a policy a few versions old: log-ratio ~ N(0, 0.3^2), some past the bars of 1.
+    gen = torch.Generator().manual_seed(1)
+    ratios = torch.exp(0.3 * torch.randn(num_tokens, generator=gen))
+    traced_s = best_of(lambda *a: decoupled_gae_packed(cfg, *a, ratios=ratios), packed, 3)
+    print(f"{'with traces s':>13} {'ratio':>6}")
+    print(f"{traced_s:13.3f} {traced_s / gae_s:6.2f}")
 
     length = shapes[-1][1]
     gathered = length * (4 + 4 + 1)  # fp32 values and rewards, bool mask, per rank
@@ -133,6 +141,7 @@ def run(quick: bool = False) -> None:
                 "step_tokens": num_tokens,
                 "step_gae_s": round(gae_s, 3),
                 "step_memcpy_s": round(memcpy_s, 3),
+                "step_gae_traces_s": round(traced_s, 3),
             }
         )
     )

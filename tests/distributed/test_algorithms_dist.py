@@ -13,6 +13,7 @@ WORKER = Path(__file__).parent / "workers" / "algo_worker.py"
 def test_cp_gae_and_invariance_up_to_4_ranks():
     outputs = run_workers(WORKER, 4, "1x1,2x1,4x1,1x2,2x2,1x4", timeout=180)
     assert "CP=4 GAE equals full-sequence GAE, padded and packed" in outputs[3]
+    assert "CP=4 GAE with importance traces equals full-sequence GAE" in outputs[3]
     assert "DP=2 CP=2 micro=3" in outputs[3]
 
 

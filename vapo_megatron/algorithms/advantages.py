@@ -35,15 +35,25 @@ def gae_lambdas(
 
 
 def decoupled_gae_padded(
-    cfg: AlgoConfig, rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor
+    cfg: AlgoConfig,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    ratios: torch.Tensor | None = None,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Policy advantages and critic returns for a padded batch [B, T].
 
-    Returns (advantages [B, T], returns [B, T], lambda_policy [B]).
+    ratios: None, or [B, T] pi_old / mu per token: both lambdas then take the same truncated
+    importance traces (V-trace with lambda, ``gae.py``'s docstring; the returns are the
+    V-trace targets). Returns (advantages [B, T], returns [B, T], lambda_policy [B]).
     """
     lam_policy, lam_critic = gae_lambdas(cfg, response_mask.sum(1))
-    advantages, _ = gae_padded(rewards, values, response_mask, lam_policy, cfg.gamma)
-    _, returns = gae_padded(rewards, values, response_mask, lam_critic, cfg.gamma)
+    traces = {"ratios": ratios, "rho_bar": rho_bar, "c_bar": c_bar}
+    advantages, _ = gae_padded(rewards, values, response_mask, lam_policy, cfg.gamma, **traces)
+    _, returns = gae_padded(rewards, values, response_mask, lam_critic, cfg.gamma, **traces)
     return advantages, returns, lam_policy
 
 
@@ -53,8 +63,13 @@ def decoupled_gae_packed(
     values: torch.Tensor,
     response_mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    *,
+    ratios: torch.Tensor | None = None,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As :func:`decoupled_gae_padded` for packed sequences [N] with boundaries cu_seqlens [S + 1].
+    """As :func:`decoupled_gae_padded` for packed sequences [N] with boundaries cu_seqlens [S + 1]
+    (ratios: None or [N]).
 
     Both lambdas run in one scan over the tokens, with no padding to the longest sequence.
     """
@@ -65,7 +80,10 @@ def decoupled_gae_packed(
         lengths = torch.nn.functional.pad(response_mask.bool().cumsum(0), (1, 0))[cu_seqlens].diff()
     lam_policy, lam_critic = gae_lambdas(cfg, lengths)
     lams = lam_policy[None] if lam_critic is lam_policy else torch.stack([lam_policy, lam_critic])
-    advantages = gae_packed_lambdas(rewards, values, response_mask, cu_seqlens, lams, cfg.gamma)
+    advantages = gae_packed_lambdas(
+        rewards, values, response_mask, cu_seqlens, lams, cfg.gamma,
+        ratios=ratios, rho_bar=rho_bar, c_bar=c_bar,
+    )  # fmt: skip
     if advantages.shape[0] == 1:  # one lambda: the returns need their own buffer
         return advantages[0], packed_returns(advantages[0], values, response_mask), lam_policy
     # The critic's row becomes the returns in place: the two results share one [2, N] buffer.

@@ -14,6 +14,27 @@ the usual cause is a reward placed one position after the last response token.
 Decoupled GAE (VAPO) is two calls: advantages with lambda_policy, and critic targets
 ``returns = A(lambda_critic) + V`` from a second call with lambda_critic.
 
+Truncated importance traces (V-trace with lambda; Espeholt et al. 2018, eq. 1 with
+c_i = lambda * min(c_bar, r_i)), for rollouts sampled by an older policy mu (the engine's
+per-token log-probs) and scored by the current one, pi_old: with ``ratios`` r_t =
+pi_old(a_t) / mu(a_t) on the response tokens (indices as above, masked tokens skipped),
+
+    rho_t = min(rho_bar, r_t),   c_t = min(c_bar, r_t)
+    A_t   = sum_{k>=t} gamma^(k-t) (prod_{i=t}^{k-1} lambda c_i) rho_k delta_k
+          = rho_t delta_t + gamma * lambda * c_t * A_{t+1}
+    returns_t = V_t + A_t
+
+returns_t is the V-trace target v_t (the lambda-return corrected towards pi_old, with the
+same traces), so both of VAPO's lambdas take the traces through this one function; the
+policy's advantage is the same sum with lambda_policy. ratios = None is the GAE above (the
+same code, the same bits); r_t = 1 everywhere with rho_bar = c_bar = 1 is the same
+function. The scan is the same segmented reverse scan with the per-token coefficient
+gamma * lambda * c_t and input rho_t * delta_t. 0 < c_bar <= rho_bar: rho_bar sets the
+fixed point (the value of the policy proportional to min(rho_bar mu, pi_old)), c_bar only
+how fast the traces cut; V-trace's contraction argument assumes c_bar <= rho_bar, and
+c_bar <= 1 keeps every product of coefficients in [0, 1] (a product of c_t > 1 over a
+20k-token response would overflow), so both are required.
+
 The scan: with c = gamma * lambda constant within a sequence, A_t = sum_{k>=t} c^(k-t) delta_k,
 a reverse discounted cumulative sum. It is computed in chunks of ``CHUNK`` tokens: inside a
 chunk, one batched matrix product with the [C, C] matrix of powers c^(k-t); across chunks, the
@@ -23,6 +44,9 @@ and c = 0 or 1 is exact.
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 
@@ -77,6 +101,50 @@ def reverse_discounted_cumsum(x: torch.Tensor, coef: torch.Tensor) -> torch.Tens
     carried = next_first[:, :, None] * tail[:, None, :]  # [B, n, C]
     local = carried.baddbmm_(x_chunks, powers.transpose(1, 2))  # in place: no new buffer
     return local.reshape(batch, padded)[:, :length]
+
+
+class _Traces(NamedTuple):
+    """Importance ratios [N] (one per token of the arrays they travel with) and their bars."""
+
+    ratios: torch.Tensor
+    rho_bar: float
+    c_bar: float
+
+
+def importance_traces(
+    ratios: torch.Tensor, rho_bar: float, c_bar: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rho, c) = (min(rho_bar, r), min(c_bar, r)) of ratios r (any shape), in ``dtype``."""
+    ratios = ratios.to(dtype)
+    return ratios.clamp(max=rho_bar), ratios.clamp(max=c_bar)
+
+
+def check_importance_ratios(
+    ratios: torch.Tensor | None, shape: torch.Size, rho_bar: float, c_bar: float
+) -> None:
+    """Raise ValueError unless 0 < c_bar <= min(rho_bar, 1) (finite; see the module docstring)
+    and ratios is None or a float tensor of ``shape`` with finite, non-negative entries
+    (everywhere: masked tokens' ratios are dropped, but a NaN there is still a caller's bug)."""
+    if not (0 < c_bar <= 1 and c_bar <= rho_bar and math.isfinite(rho_bar)):
+        raise ValueError(
+            f"importance traces need 0 < c_bar <= rho_bar (finite) and c_bar <= 1, got "
+            f"rho_bar={rho_bar}, c_bar={c_bar} (V-trace's usual choice: rho_bar = c_bar = 1)"
+        )
+    if ratios is None:
+        return
+    if not ratios.is_floating_point() or ratios.shape != shape:
+        raise ValueError(
+            f"ratios must be a float tensor of the rewards' shape {tuple(shape)} (one "
+            f"pi_old / mu per token), got {ratios.dtype} {tuple(ratios.shape)}"
+        )
+    bad = ~torch.isfinite(ratios) | (ratios < 0)
+    if bad.any():
+        first = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"{int(bad.sum())} importance ratio(s) are negative or not finite (first "
+            f"{ratios[tuple(first)].item()} at {first}); compute them as "
+            f"exp(logp_old - logp_behaviour) from finite log-probs"
+        )
 
 
 def _is_one_run_per_row(mask: torch.Tensor) -> bool:
@@ -158,17 +226,17 @@ def segmented_reverse_cumsum(x: torch.Tensor, coef: torch.Tensor) -> torch.Tenso
     return ys.transpose(2, 3).reshape(num_rows, padded)[:, :length]
 
 
-def _gae_flat(rewards, values, cu_seqlens, lams, gamma):
+def _gae_flat(rewards, values, cu_seqlens, lams, gamma, traces):
     """GAE over packed sequences whose every token is a response token, in blocks of whole
     sequences of about ``GAE_BLOCK_TOKENS`` tokens: sequences are independent, and the scan's
     temporaries (~10 floats per token) then stay a block's size, not the step's.
 
-    rewards, values: [N]; cu_seqlens: [S + 1] on their device; lams: [K, S]. Returns
-    advantages [K, N].
+    rewards, values: [N]; cu_seqlens: [S + 1] on their device; lams: [K, S]; traces: None or
+    ratios [N] with their bars. Returns advantages [K, N].
     """
     num_tokens = rewards.numel()
     if num_tokens <= GAE_BLOCK_TOKENS:
-        return _gae_block(rewards, values, cu_seqlens, lams, gamma)
+        return _gae_block(rewards, values, cu_seqlens, lams, gamma, traces)
     dtype = torch.promote_types(rewards.dtype, torch.float32)
     out = torch.empty(lams.shape[0], num_tokens, dtype=dtype, device=rewards.device)
     targets = torch.arange(
@@ -178,20 +246,22 @@ def _gae_flat(rewards, values, cu_seqlens, lams, gamma):
     seq_bounds = [0, *(c for c in cuts if 0 < c < lams.shape[1]), lams.shape[1]]
     for first, last in zip(seq_bounds[:-1], seq_bounds[1:], strict=True):
         lo, hi = int(cu_seqlens[first]), int(cu_seqlens[last])
+        block_traces = None if traces is None else traces._replace(ratios=traces.ratios[lo:hi])
         _gae_block(
             rewards[lo:hi], values[lo:hi], cu_seqlens[first : last + 1] - lo,
-            lams[:, first:last], gamma, out=out[:, lo:hi],
+            lams[:, first:last], gamma, block_traces, out=out[:, lo:hi],
         )  # fmt: skip
     return out
 
 
-def _gae_block(rewards, values, cu_seqlens, lams, gamma, out=None):
+def _gae_block(rewards, values, cu_seqlens, lams, gamma, traces, out=None):
     """GAE over packed sequences whose every token is a response token.
 
     rewards, values: [N]; cu_seqlens: [S + 1] on their device; lams: [K, S] float (K lambdas
-    per sequence, e.g. policy and critic). Returns advantages [K, N] (float32 unless float64
-    inputs), written into ``out`` when given. The scan coefficient is gamma * lambda inside a
-    sequence and 0 at its last token.
+    per sequence, e.g. policy and critic); traces: None or ratios [N] with their bars. Returns
+    advantages [K, N] (float32 unless float64 inputs), written into ``out`` when given. The
+    scan coefficient is gamma * lambda (times c_t with traces) inside a sequence and 0 at its
+    last token; with traces the scan's input is rho_t * delta_t.
     """
     dtype = torch.promote_types(rewards.dtype, torch.float32)
     rewards, values = rewards.to(dtype), values.to(dtype)
@@ -201,10 +271,16 @@ def _gae_block(rewards, values, cu_seqlens, lams, gamma, out=None):
     deltas = torch.sub(rewards, values)
     deltas[:-1].add_(values[1:], alpha=gamma)
     deltas[ends] = rewards[ends] - values[ends]
-    # Rows with gamma * lambda = 1 on every sequence (VAPO's critic: lambda_critic = gamma = 1)
-    # telescope to plain suffix sums of the deltas: one float64 cumsum, no scan.
     if out is None:
         out = torch.empty(lams.shape[0], deltas.numel(), dtype=dtype, device=deltas.device)
+    if traces is not None:  # c_t varies along a sequence: every row scans
+        rho, c = importance_traces(traces.ratios, traces.rho_bar, traces.c_bar, dtype)
+        coef = _per_token((gamma * lams).to(dtype), cu_seqlens).mul_(c)  # [K, N]
+        coef[:, ends] = 0
+        out.copy_(segmented_reverse_cumsum(deltas.mul_(rho).expand(lams.shape[0], -1), coef))
+        return out
+    # Rows with gamma * lambda = 1 on every sequence (VAPO's critic: lambda_critic = gamma = 1)
+    # telescope to plain suffix sums of the deltas: one float64 cumsum, no scan.
     plain = ((gamma * lams) == 1).all(dim=1).tolist()  # [K]
     scanned = [k for k, p in enumerate(plain) if not p]
     if scanned:
@@ -252,14 +328,22 @@ def gae_packed_lambdas(
     cu_seqlens: torch.Tensor,
     lams: torch.Tensor,
     gamma: float = 1.0,
+    *,
+    ratios: torch.Tensor | None = None,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
 ) -> torch.Tensor:
     """GAE advantages on packed sequences with K lambdas per sequence in one scan, no padding.
 
     rewards, values, response_mask: [N]; cu_seqlens: [S + 1] (any device); lams: [K, S] in
     [0, 1]. Masked tokens are skipped (compacted out, scanned, scattered back as 0).
+    ratios: None, or [N] float pi_old / mu per token on the rewards' device: the truncated
+    importance traces of the module docstring (bars rho_bar, c_bar) on every row.
     Returns advantages [K, N]; the returns of row k are ``packed_returns(advantages[k], ...)``.
     """
     _check_packed(rewards, values, response_mask, cu_seqlens)
+    check_importance_ratios(ratios, rewards.shape, rho_bar, c_bar)
+    traces = None if ratios is None else _Traces(ratios, rho_bar, c_bar)
     cu_seqlens = cu_seqlens.to(rewards.device)
     if lams.dim() != 2 or lams.shape[1] != cu_seqlens.numel() - 1:
         raise ValueError(
@@ -270,12 +354,14 @@ def gae_packed_lambdas(
         raise ValueError(f"lam must lie in [0, 1], got min {lams.min()} max {lams.max()}")
     mask = response_mask.bool()
     if all_true(mask):  # every token is a response token: nothing to check or compact
-        return _gae_flat(rewards, values, cu_seqlens, lams, gamma)
+        return _gae_flat(rewards, values, cu_seqlens, lams, gamma, traces)
     check_rewards_on_response(rewards, response_mask, "packed token")
     # Drop the masked tokens: each sequence keeps its response tokens, in order.
     token_index = mask.nonzero().squeeze(1)
     kept = torch.nn.functional.pad(mask.cumsum(0), (1, 0))[cu_seqlens]  # [S + 1]
-    compact = _gae_flat(rewards[token_index], values[token_index], kept, lams, gamma)
+    if traces is not None:
+        traces = traces._replace(ratios=ratios[token_index])
+    compact = _gae_flat(rewards[token_index], values[token_index], kept, lams, gamma, traces)
     dtype = torch.promote_types(rewards.dtype, torch.float32)
     advantages = torch.zeros(lams.shape[0], rewards.numel(), dtype=dtype, device=rewards.device)
     advantages[:, token_index] = compact
@@ -331,13 +417,19 @@ def gae_padded(
     response_mask: torch.Tensor,
     lam: torch.Tensor | float,
     gamma: float = 1.0,
+    *,
+    ratios: torch.Tensor | None = None,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE on a padded batch.
 
     rewards, values, response_mask: [B, T] (the mask marks response tokens; prompt and
     padding are 0, and may sit anywhere; rewards and values must be finite everywhere, since
     masking multiplies by 0; rewards must be 0 off the mask, else ValueError).
-    lam: [B] per-sequence lambda or a float.
+    lam: [B] per-sequence lambda or a float. ratios: None, or [B, T] float pi_old / mu per
+    token (truncated importance traces, see the module docstring; rows then take the packed
+    scan, whose per-token coefficients the one-run row scan lacks).
     Returns (advantages [B, T], returns [B, T]) with returns = advantages + values on response
     tokens and both 0 elsewhere. Float32 unless the inputs are float64.
     """
@@ -349,16 +441,19 @@ def gae_padded(
     check_rewards_on_response(rewards, response_mask, "(row, column)")
     batch, length = rewards.shape
     _check_lambda(lam, batch)
+    check_importance_ratios(ratios, rewards.shape, rho_bar, c_bar)
     mask = response_mask.bool()
-    if _is_one_run_per_row(mask):
+    if ratios is None and _is_one_run_per_row(mask):
         return _gae_rows(rewards, values, mask, lam, gamma)
-    # Several runs per row (e.g. multi-turn masks): the rows as packed sequences.
+    # Several runs per row (e.g. multi-turn masks), or traces: the rows as packed sequences.
     cu_seqlens = torch.arange(batch + 1, device=rewards.device) * length
     lams = _lambda_rows(lam, batch, rewards.device)
     flat_mask = mask.reshape(-1)
+    flat_ratios = None if ratios is None else ratios.reshape(-1)
     adv = gae_packed_lambdas(
-        rewards.reshape(-1), values.reshape(-1), flat_mask, cu_seqlens, lams, gamma
-    )[0]
+        rewards.reshape(-1), values.reshape(-1), flat_mask, cu_seqlens, lams, gamma,
+        ratios=flat_ratios, rho_bar=rho_bar, c_bar=c_bar,
+    )[0]  # fmt: skip
     ret = packed_returns(adv, values.reshape(-1), flat_mask)
     return adv.view(batch, length), ret.view(batch, length)
 
@@ -395,14 +490,22 @@ def gae_packed(
     cu_seqlens: torch.Tensor,
     lam: torch.Tensor | float,
     gamma: float = 1.0,
+    *,
+    ratios: torch.Tensor | None = None,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE on packed sequences.
 
     rewards, values, response_mask: [N] flat tokens of S sequences laid end to end;
     cu_seqlens: [S + 1] boundaries (0, ..., N), on any device; lam: [S] or a float. Rewards
-    must be 0 off the mask (else ValueError). Returns (advantages [N], returns [N]).
+    must be 0 off the mask (else ValueError). ratios: None or [N] (truncated importance
+    traces, see :func:`gae_packed_lambdas`). Returns (advantages [N], returns [N]).
     """
     _check_packed(rewards, values, response_mask, cu_seqlens)
     lams = _lambda_rows(lam, cu_seqlens.numel() - 1, rewards.device)
-    advantages = gae_packed_lambdas(rewards, values, response_mask, cu_seqlens, lams, gamma)[0]
+    advantages = gae_packed_lambdas(
+        rewards, values, response_mask, cu_seqlens, lams, gamma,
+        ratios=ratios, rho_bar=rho_bar, c_bar=c_bar,
+    )[0]  # fmt: skip
     return advantages, packed_returns(advantages, values, response_mask)

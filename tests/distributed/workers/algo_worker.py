@@ -83,6 +83,40 @@ def check_cp_gae(cp: int) -> None:
     print(f"rank {rank}: CP={cp} GAE equals full-sequence GAE, padded and packed")
 
 
+def check_cp_gae_traces(cp: int) -> None:
+    """check_cp_gae with truncated importance traces (V-trace with lambda, issue 42): the carry
+    across ranks takes the chunks' per-token coefficients."""
+    world = dist.get_world_size()
+    groups = [dist.new_group(list(range(s, s + cp))) for s in range(0, world - cp + 1, cp)]
+    rank = dist.get_rank()
+    if rank >= len(groups) * cp:
+        return
+    group, cp_rank = groups[rank // cp], rank % cp
+    rewards, values, mask, lam = gae_batch()
+    gen = torch.Generator().manual_seed(8)
+    ratios = torch.exp(0.6 * torch.randn(rewards.shape, generator=gen))  # some > 1.5, < 0.8
+    traces = {"rho_bar": 1.5, "c_bar": 0.8}
+    ref_adv, ref_ret = gae_padded(rewards, values, mask, lam, 0.95, ratios=ratios, **traces)
+    shard = [split_for_cp(x, cp, cp_rank) for x in (rewards, values, mask, ratios)]
+    adv, ret = gae_context_parallel(*shard[:3], lam, 0.95, group, ratios=shard[3], **traces)
+    torch.testing.assert_close(adv, split_for_cp(ref_adv, cp, cp_rank), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(ret, split_for_cp(ref_ret, cp, cp_rank), atol=1e-10, rtol=1e-10)
+    lengths = torch.tensor([48, 8, 0, 40, 48, 24])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    flat = [
+        torch.cat([x[b, : lengths[b]] for b in range(6)]) for x in (rewards, values, mask, ratios)
+    ]
+    ref_adv, ref_ret = gae_packed(*flat[:3], cu, lam, 0.95, ratios=flat[3], **traces)
+    shard = [split_packed_for_cp(x, cu, cp, cp_rank) for x in flat]
+    adv, ret = gae_context_parallel_packed(
+        *shard[:3], cu, lam, 0.95, group, ratios=shard[3], **traces
+    )
+    for got, want in ((adv, ref_adv), (ret, ref_ret)):
+        want = split_packed_for_cp(want, cu, cp, cp_rank)
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    print(f"rank {rank}: CP={cp} GAE with importance traces equals full-sequence GAE")
+
+
 # ----- sharding invariance of the token-level losses -----
 
 BATCH, LENGTH, FEATURES = 12, 24, 5
@@ -201,6 +235,7 @@ def main() -> None:
     for cp in (2, 4):
         if cp <= world:
             check_cp_gae(cp)
+            check_cp_gae_traces(cp)
     ref = reference()
     for layout in sys.argv[1].split(","):
         dp, cp = (int(v) for v in layout.split("x"))
