@@ -10,7 +10,7 @@ on both ranks at once. From the same run, best of 3 each:
   preallocated buffers), nothing else: the floor for any sync on this machine;
 - stream: the weight stream alone (gathers + conversion to HF tensors, fresh buffers);
 - engine: the engine's load alone, from HF tensors already in memory;
-- sync: ``push_policy_weights`` as the trainer runs it (weights/sync.py: the stream's plan,
+- sync: ``push_policy_weights`` as the trainer runs it (step/weight_sync.py: the stream's plan,
   a pool of gather buffers of its own, serial on CPU), split into the time inside the
   engine's loaders and the time producing the stream; the same with the stream produced one
   message ahead in a thread (``prefetch=True``); with one pool kept across syncs (warm
@@ -143,20 +143,21 @@ def build(hf_dir: str, engine_tp: int, quick: bool):
 
 
 def sync_paths(engine, rollout, kept) -> dict:
-    """The syncs timed and measured for memory: as the trainer runs it (weights/sync.py: the
+    """The syncs timed and measured for memory: as the trainer runs it (step/weight_sync.py: the
     stream's plan, a pool of gather buffers of its own, serial on CPU), with one pool ``kept``
     across syncs, and without the plan (as before it; gate/up already gathered apart)."""
-    from vapo_megatron.weights.sync import push_policy_weights
+    from vapo_megatron.step.weight_sync import push_policy_weights
 
     def sync(prefetch=None, buffers=None):
         return push_policy_weights(
             engine, rollout, bucket_bytes=BUCKET_BYTES, buffers=buffers, prefetch=prefetch
         )
 
-    def sync_before():
-        return rollout.update_weights(
-            (t for b in stream_alone(engine) for t in b), bucket_bytes=BUCKET_BYTES
-        )
+    def sync_before():  # tensor by tensor, bucketed again without the plan
+        from vapo_megatron.weights.buckets import iter_buckets
+
+        tensors = (t for b in stream_alone(engine) for t in b)
+        return rollout.update_weights(iter_buckets(tensors, BUCKET_BYTES))
 
     return {"sync": sync, "sync_kept": lambda: sync(buffers=kept), "sync_before": sync_before}
 
@@ -180,6 +181,8 @@ def reference_paths(engine, rollout, state, targets) -> tuple[dict, int]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from vapo_megatron.weights.buckets import iter_buckets
+
     tp_group = ps.get_tensor_model_parallel_group()
     plan = transport_plan(engine, tp_group)
 
@@ -191,7 +194,7 @@ def reference_paths(engine, rollout, state, targets) -> tuple[dict, int]:
         "memcpy": lambda: [targets[k].copy_(v) for k, v in state.items()],
         "transport": transport,
         "stream": lambda: [None for _ in stream_alone(engine)],
-        "engine": lambda: rollout.update_weights(state.items(), bucket_bytes=BUCKET_BYTES),
+        "engine": lambda: rollout.update_weights(iter_buckets(state.items(), BUCKET_BYTES)),
     }
     return paths, sum(full.numel() * full.element_size() for _, full in plan)
 

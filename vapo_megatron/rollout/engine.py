@@ -47,7 +47,6 @@ from vapo_megatron.rollout.vllm_args import (
     route_recording,
     sleep_mode,
 )
-from vapo_megatron.weights.buckets import bucket_nbytes, iter_buckets
 
 WORKER_EXTENSION = "vapo_megatron.rollout.worker_extension.RolloutWorkerExtension"
 
@@ -157,6 +156,14 @@ class WeightUpdateStats:
     wait_seconds: float = 0.0
     """Of ``seconds``, the time spent waiting for the next bucket (with prefetch: the part of the
     stream the engine's loads did not hide; without: all of producing the stream)."""
+
+
+def _as_loaded(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as the engine loads it: detached, floating point in the engine's dtype."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    tensor = tensor.detach()
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 class _Inline:
@@ -384,18 +391,32 @@ class RolloutEngine:
             )
         return routes.to(ROUTE_DTYPE)
 
+    def message_bytes(self, bucket_bytes: int | None = None, prefetch: bool | None = None) -> int:
+        """The bytes of one ``update_weights`` message for a sync bounded by ``bucket_bytes``
+        (default ``config.weight_bucket_bytes``): all of it, or half with ``prefetch`` (one
+        message loading and the next being produced fit in the bound together)."""
+        bucket_bytes = bucket_bytes or self.config.weight_bucket_bytes
+        return max(1, bucket_bytes // 2) if self.prefetches(prefetch) else bucket_bytes
+
+    def prefetches(self, prefetch: bool | None = None) -> bool:
+        """Whether ``update_weights(prefetch=prefetch)`` produces the next message in a thread:
+        as given, or by default off on CPU (the two ranks' threads already keep both cores
+        busy; overlap measured slower, docs/rollout.md) and on elsewhere (not measured on a
+        GPU)."""
+        return (not self.is_cpu) if prefetch is None else prefetch
+
     def update_weights(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        messages: Iterable[Sequence[tuple[str, torch.Tensor]]],
         *,
-        bucket_bytes: int | None = None,
         prefetch: bool | None = None,
-        plan: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> WeightUpdateStats:
-        """Load full HF-named tensors into the engine, one bucket per message.
+        """Load full HF-named tensors into the engine, one message (a bucket of them) at a time,
+        as the producer bucketed them (the weight stream, ``weights/stream.py``, sized by
+        ``message_bytes``): the engine does not bucket again.
 
         Any subset of the model's tensors may be sent (the rest keep their values), in any
-        order and with bucket boundaries anywhere: vLLM holds a fused layer's parts (q/k/v,
+        order and with message boundaries anywhere: vLLM holds a fused layer's parts (q/k/v,
         gate/up) until the layer is complete, then fuses and slices it for each TP rank.
         Keep each layer's tensors together in the stream: parts of a layer wait in memory
         until the rest arrives. The prefix cache is cleared afterwards, since it holds KV
@@ -403,28 +424,15 @@ class RolloutEngine:
         tensors (full, not sliced): each rank's worker keeps its TP slice. The weights must be
         awake (``wake_up(["weights"])`` after a sleep), else ``EngineStateError``. An exception
         midway leaves the engine unusable (every later call raises): build a new one.
+        Floating-point tensors are cast to the engine's dtype as they are loaded.
 
-        ``bucket_bytes`` (default ``config.weight_bucket_bytes``) bounds the weight bytes in
-        flight. With ``prefetch``, ``named_tensors`` is consumed in a producer thread
+        With ``prefetch`` (``prefetches``), ``messages`` is consumed in a producer thread
         (``prefetch.Prefetcher``) one message ahead, so that producing message k+1 (the weight
-        stream's gathers) overlaps the engine's load of message k; messages are then half a
-        bucket, so that the one loading and the one being produced fit in ``bucket_bytes``
-        together (plus one tensor: a tensor is never split). The stream's collectives all run in
-        that one thread, in the stream's order; the caller's thread only loads. Without it the
-        stream is consumed in this thread, one full bucket per message. Default (None): off on
-        CPU, where the two ranks' threads already keep both cores busy and overlap measured
-        slower than serial (docs/rollout.md, benchmark), on elsewhere (not measured on a GPU).
-
-        ``plan``: the (name, tensor) of every item ``named_tensors`` will yield, in order (meta
-        tensors will do; ``weights/stream.py::stream_plan`` for the policy stream). A message is then
-        sent before the tensor that would overflow it is pulled from ``named_tensors`` (for the
-        weight stream: before it is gathered), so a rank holds one message, not one message plus
-        the next tensor. Without it the tensor that closes a message is produced first.
+        stream's gathers) overlaps the engine's load of message k; the stream's collectives
+        then all run in that one thread, in the stream's order, and the caller's thread only
+        loads. Without it the messages are consumed in this thread.
         """
-        bucket_bytes = bucket_bytes or self.config.weight_bucket_bytes
-        if prefetch is None:
-            prefetch = not self.is_cpu
-        message_bytes = max(1, bucket_bytes // 2) if prefetch else bucket_bytes
+        prefetch = self.prefetches(prefetch)
         dtype = getattr(torch, self.config.dtype)
         self.state.begin_update()
         ok = False
@@ -433,18 +441,18 @@ class RolloutEngine:
         load_seconds = wait_seconds = 0.0
         try:
             self.llm.collective_rpc("start_weight_update")
-            detached = ((name, tensor.detach()) for name, tensor in named_tensors)
-            buckets = iter_buckets(detached, message_bytes, dtype=dtype, plan=plan)
-            with Prefetcher(buckets) if prefetch else _Inline(buckets) as messages:
-                for bucket in messages:
+            with Prefetcher(iter(messages)) if prefetch else _Inline(iter(messages)) as produced:
+                for message in produced:
+                    bucket = [(name, _as_loaded(name, t, dtype)) for name, t in message]
+                    del message
                     loading = time.perf_counter()
                     self.llm.collective_rpc("update_weights", args=({"weights": bucket},))
                     load_seconds += time.perf_counter() - loading
                     num_tensors += len(bucket)
-                    num_bytes += bucket_nbytes(bucket)
+                    num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
                     num_buckets += 1
                     del bucket  # let its buffers go back to the stream before the next arrives
-                wait_seconds = messages.wait_seconds
+                wait_seconds = produced.wait_seconds
             loading = time.perf_counter()
             self.llm.collective_rpc("finish_weight_update")
             self.llm.reset_prefix_cache()

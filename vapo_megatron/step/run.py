@@ -30,7 +30,7 @@ from vapo_megatron.step.shard_route import step_share
 from vapo_megatron.step.timing import Timer
 from vapo_megatron.step.trajectories import Trajectories
 from vapo_megatron.step.updates import UpdateData, epoch_minibatches, run_updates
-from vapo_megatron.weights.sync import sync_weights
+from vapo_megatron.step.weight_sync import sync_weights
 
 if TYPE_CHECKING:
     from vapo_megatron.trainer.session import Session

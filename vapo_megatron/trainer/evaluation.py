@@ -23,7 +23,7 @@ def evaluate(session, step: int, prompts: Sequence | None = None) -> dict[str, f
     if ev.max_prompts is not None:
         items = items[: ev.max_prompts]
     if not session.rollout_synced:
-        from vapo_megatron.weights.sync import sync_weights
+        from vapo_megatron.step.weight_sync import sync_weights
 
         sync_weights(session)
         session.rollout_synced = True

@@ -34,7 +34,6 @@ from vapo_megatron.trainer.preemption import PreemptionFlag
 from vapo_megatron.trainer.session import Session, dist_timeout, init_distributed
 from vapo_megatron.weights import hf_io
 from vapo_megatron.weights.critic import critic_model_path
-from vapo_megatron.weights.export import export_hf
 
 logger = logging.getLogger("vapo_megatron")
 PRETRAIN_SEED_KEY = 10**6  # critic-pretraining steps draw other seeds than VAPO steps
@@ -164,8 +163,8 @@ def _export_pretrained_critic(run: Run) -> None:
                 out, run.state["step"], run.state["pretrain_step"],
             )  # fmt: skip
         return
-    export_hf(
-        session.critic, out, hf_config=session.critic_hf_config,
+    session.critic.export_hf(
+        out, hf_config=session.critic_hf_config,
         assets_from=critic_model_path(run.cfg), host_group=session.host_group,
     )  # fmt: skip
 
@@ -214,8 +213,8 @@ class Evaluations:
 def _export_policy(run: Run) -> Path:
     """The trained policy as an HF directory, RUN_DIR/hf_policy (trainer.export_hf)."""
     out = run.session.run_dir / "hf_policy"
-    export_hf(
-        run.session.policy, out, hf_config=hf_io.read_config(run.cfg.model.path),
+    run.session.policy.export_hf(
+        out, hf_config=hf_io.read_config(run.cfg.model.path),
         assets_from=run.cfg.model.path, host_group=run.session.host_group,
     )  # fmt: skip
     return out

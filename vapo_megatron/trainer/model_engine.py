@@ -19,8 +19,10 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -57,8 +59,10 @@ from vapo_megatron.models.provider import (
 from vapo_megatron.models.router_replay import ModelRouterReplay
 from vapo_megatron.parallel.devices import training_device
 from vapo_megatron.parallel.model_groups import ModelGroups, seed_rng_tracker
-from vapo_megatron.weights.gather import gather_hf_weights, load_hf_weights
+from vapo_megatron.weights.export import BUCKET_BYTES, export_hf
+from vapo_megatron.weights.gather import GatherBuffers, gather_hf_weights, load_hf_weights
 from vapo_megatron.weights.record import ModelRecord
+from vapo_megatron.weights.stream import stream_policy_weights
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(model output [b, s, V/tp] logits or [b, s, 1] values, micro-batch) -> (loss share, metrics)."""
@@ -216,6 +220,37 @@ class ModelEngine:
         if self.gpu.overlap_param_gather:
             for chunk in self.chunks:
                 chunk.start_param_sync(force_sync=True)
+
+    def hf_buckets(
+        self, bucket_bytes: int, *, buffers: GatherBuffers | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The whole model's full HF-named tensors on every rank of the replica, in buckets of
+        at most ``bucket_bytes`` (``weights/stream.py::stream_policy_weights``): what the weight
+        sync loads into the engine and the HF export writes. ``buffers``: a gather pool to keep
+        across calls (None: this call's own). Collective over the TP, PP and expert groups."""
+        self.gather_params()  # the last update's shards, with overlap_param_gather
+        return stream_policy_weights(
+            self.chunks, self.record, self.config,
+            tp_group=self.groups.parallel.tp, pp_group=self.groups.parallel.pp,
+            ep_group=self.groups.pg_collection.ep,
+            expt_tp_group=self.groups.pg_collection.expt_tp,
+            bucket_bytes=bucket_bytes, buffers=buffers,
+        )  # fmt: skip
+
+    def export_hf(
+        self,
+        out_dir: Path,
+        *,
+        hf_config: dict,
+        assets_from: str,
+        host_group: dist.ProcessGroup | None,
+    ) -> Path:
+        """Write the model as an HF directory (``weights/export.py::export_hf``, rank 0 writes)
+        from its stream in ``export.BUCKET_BYTES`` buckets. Collective over every rank."""
+        return export_hf(
+            self.hf_buckets(BUCKET_BYTES), out_dir, hf_config=hf_config, head=self.head,
+            dtype=self.config.params_dtype, assets_from=assets_from, host_group=host_group,
+        )  # fmt: skip
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This pipeline stage's weights as full HF-named tensors (collective over TP)."""

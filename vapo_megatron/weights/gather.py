@@ -189,7 +189,6 @@ def gather_hf_weights(
     *,
     tp_group: dist.ProcessGroup | None,
     pp_rank: int,
-    only_to_tp_rank: int | None = None,
     buffers: GatherBuffers | None = None,
     ep_group: dist.ProcessGroup | None = None,
     expt_tp_group: dist.ProcessGroup | None = None,
@@ -204,8 +203,6 @@ def gather_hf_weights(
 
     Yields in the record's order, one Megatron tensor at a time (so at most one full tensor
     plus its shards is alive). Collective: every rank of the TP group must iterate to the end.
-    With ``only_to_tp_rank``, shards are gathered to that member of the TP group alone, and
-    only it yields tensors (the others yield nothing; their iteration only sends shards).
 
     Gathering to every rank, each split tensor is all-gathered into a pooled buffer
     (``buffers``; if None, a new pool that keeps no free buffer past the next allocation) and
@@ -217,35 +214,11 @@ def gather_hf_weights(
     with the others of the same Megatron tensor (q, k and v with one KV head): clone it to keep
     it apart.
     """
-    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     ep_group, expt_tp_group = expert_groups(config, tp_group, ep_group, expt_tp_group)
-    if only_to_tp_rank is None:
-        groups = _GatherGroups(tp_group, expt_tp_group, ep_group)
-        yield from _all_gather_hf_weights(
-            models, record, config, groups, pp_rank, buffers or GatherBuffers(0)
-        )
-        return
-    if config.expert_model_parallel_size > 1 or expt_tp_group is not tp_group:
-        raise ValueError(
-            "gathering to one TP rank (a single receiver) is not implemented for expert "
-            "parallelism or an expert TP other than TP; stream to every rank instead"
-        )
-    receives = only_to_tp_rank == tp_rank
-    for model, chunk in zip(models, model_chunks_of_rank(config, pp_rank), strict=True):
-        params = chunk_parameters(model, record, chunk)
-        for name, m in record.tensor_maps(chunk).items():
-            if m.tied_copy:  # the first stage exports the shared embedding
-                continue
-            local = params[name].detach()
-            if tp_size > 1 and m.split is not Split.REPLICATED:
-                shards = [torch.empty_like(local) for _ in range(tp_size)] if receives else None
-                dst = dist.get_global_rank(tp_group, only_to_tp_rank)
-                collectives.gather(local.contiguous(), shards, dst=dst, group=tp_group)
-            else:
-                shards = [local] * tp_size
-            if receives:
-                yield from record.megatron_to_hf(name, shards, chunk)
+    groups = _GatherGroups(tp_group, expt_tp_group, ep_group)
+    yield from _all_gather_hf_weights(
+        models, record, config, groups, pp_rank, buffers or GatherBuffers(0)
+    )
 
 
 def tp_gathers(

@@ -8,9 +8,9 @@ time, over the pipeline group, so every rank ends up with every tensor, in one f
 most one bucket beyond its own shards. Receivers know every name, shape and dtype in advance
 from the record, so a bucket travels as one flat buffer.
 
-With ``receiver`` (one engine for the whole model replica, e.g. a TP>1 vLLM engine on one
-rank), only that rank receives tensors: each stage gathers its shards to its first TP rank
-alone, and the stages' first TP ranks send their buckets point to point to the receiver.
+These buckets are the only ones between the Megatron gather and the rollout engine: the engine
+loads each as one message (``RolloutEngine.update_weights``), the HF export writes them as they
+come (``weights/export.py``).
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ def stream_policy_weights(
     tp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
     bucket_bytes: int,
-    receiver: int | None = None,
     buffers: GatherBuffers | None = None,
     ep_group: dist.ProcessGroup | None = None,
     expt_tp_group: dist.ProcessGroup | None = None,
 ) -> Iterator[list[NamedTensor]]:
-    """Buckets of the whole model's full HF-named tensors: on every rank, or on ``receiver``.
+    """Buckets of the whole model's full HF-named tensors, on every rank of the replica, each
+    at most ``bucket_bytes`` (a tensor larger than that alone), in ``stream_plan``'s order.
 
     MoE models: each stage's routed experts are gathered over ``expt_tp_group`` (None: TP)
     and ``ep_group`` (None: EP = 1) one local expert slot and one HF tensor at a time
@@ -78,16 +78,15 @@ def stream_policy_weights(
     most), never a layer's experts at once, and besides the bucket a rank holds one EP gather:
     EP x one expert projection (Qwen3-235B-A22B in bf16 at EP 8: 8 x 12.6 MB = 101 MB), and
     its expert-TP gather, whatever the number of experts (vLLM holds a whole layer's: the
-    planner's ``sync_hold_bytes``). ``receiver`` is refused with EP > 1.
+    planner's ``sync_hold_bytes``).
 
-    With PP = 1 nothing crosses ranks after the TP gathers, so each bucket is one tensor,
-    yielded as soon as it is gathered: what is held is then the consumer's choice (the engine
-    re-buckets), not one more bucket here. With PP > 1 a bucket is one broadcast message.
+    With PP = 1 nothing crosses ranks after the TP gathers: the tensors are bucketed along the
+    stage's plan, so a bucket is yielded before the tensor that would overflow it is gathered
+    (one bucket held, not one bucket and the next tensor). With PP > 1 a bucket is one
+    broadcast message of the stage whose turn it is.
 
     Collective over the TP and PP groups: every rank of the model replica must consume the
-    iterator to the end. ``receiver`` (a global rank) must be the first TP rank of its stage
-    in this replica; other ranks then yield nothing. Tensors come in the parameters' dtype
-    (``config.params_dtype``).
+    iterator to the end. Tensors come in the parameters' dtype (``config.params_dtype``).
 
     Gathers, conversions and PP bucket buffers come from ``buffers`` (if None, a pool of this
     call's own that keeps at most ``bucket_bytes``), recycled as soon as the consumer and the
@@ -100,11 +99,6 @@ def stream_policy_weights(
         buffers = GatherBuffers(limit_bytes=bucket_bytes)
     # PP messages live where the parameters do: the pipeline group's backend is the model's.
     device = next(models[0].parameters()).device
-    if receiver is not None:
-        yield from _stream_to_receiver(
-            models, record, config, tp_group, pp_group, bucket_bytes, receiver, device
-        )
-        return
     pp_size = 1 if pp_group is None else dist.get_world_size(pp_group)
     pp_rank = 0 if pp_group is None else dist.get_rank(pp_group)
     for stage in range(pp_size):
@@ -123,9 +117,9 @@ def stream_policy_weights(
             if own
             else None
         )
-        if pp_size == 1:  # nothing crosses ranks any more: hand each tensor on at once
-            for named in gathered:
-                yield [named]
+        if pp_size == 1:  # nothing crosses ranks any more: bucket along the stage's plan
+            plan = _stage_plan(record, config, stage, config.params_dtype)
+            yield from iter_buckets(gathered, bucket_bytes, plan=plan)
             continue
         source = dist.get_global_rank(pp_group, stage)
         for views, flat in _bucket_buffers(
@@ -162,34 +156,3 @@ def _bucket_buffers(record, config, stage, bucket_bytes, source, device, buffers
             views.append((name, view))
         yield views, flat
         del views, flat
-
-
-def _stream_to_receiver(models, record, config, tp_group, pp_group, bucket_bytes, receiver, device):
-    me = dist.get_rank()
-    tp_leader = tp_group is None or dist.get_rank(tp_group) == 0
-    gathered = gather_hf_weights(
-        models, record, config, tp_group=tp_group, pp_rank=0 if pp_group is None else dist.get_rank(pp_group),
-        only_to_tp_rank=0,
-    )  # fmt: skip
-    if not tp_leader:
-        for _ in gathered:  # only sends this rank's shards to its stage's first TP rank
-            pass
-        return
-    stages = [me] if pp_group is None else dist.get_process_group_ranks(pp_group)
-    if receiver not in stages:
-        raise ValueError(
-            f"receiver rank {receiver} must be the first TP rank of a pipeline stage of this "
-            f"model replica (pipeline ranks {stages})"
-        )
-    my_stage = stages.index(me)
-    if me != receiver:  # a stage's first TP rank: send the stage's buckets to the receiver
-        for _, flat in _bucket_buffers(record, config, my_stage, bucket_bytes, gathered, device):
-            collectives.send(flat, dst=receiver)
-        return
-    for stage, rank in enumerate(stages):
-        if rank == me:
-            yield from iter_buckets(gathered, bucket_bytes)
-            continue
-        for views, flat in _bucket_buffers(record, config, stage, bucket_bytes, None, device):
-            collectives.recv(flat, src=rank)
-            yield views

@@ -1,5 +1,5 @@
-"""The policy weight stream: every rank (or one receiver alone) gets every HF tensor, bit-exact,
-in buckets."""
+"""The policy weight stream: every rank gets every HF tensor, bit-exact, in buckets of at most
+the bound (a larger tensor alone), in the plan's order."""
 
 from pathlib import Path
 
@@ -14,10 +14,8 @@ WORKER = Path(__file__).parent / "workers" / "stream_worker.py"
 def test_stream_is_exact_on_every_rank():
     layouts = ["2x1", "1x2", "2x2", "1x4"]
     outputs = run_workers(WORKER, 4, ",".join(layouts), timeout=240)
-    for rank, out in enumerate(outputs):
+    for out in outputs:
         for tie, count in (("False", 51), ("True", 50)):
             for layout in layouts:
                 tp, pp = layout.split("x")
-                assert f"tie={tie} TP{tp}xPP{pp} to every rank: {count} tensors exact" in out
-                to_receiver = f"tie={tie} TP{tp}xPP{pp} to receiver 0 only: {count} tensors exact"
-                assert (to_receiver in out) == (rank == 0)
+                assert f"tie={tie} TP{tp}xPP{pp}: {count} tensors exact" in out

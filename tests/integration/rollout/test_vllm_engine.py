@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from vapo_megatron.weights.buckets import iter_buckets
+
 vllm = pytest.importorskip("vllm", reason="vllm is not installed (see docs/rollout.md)")
 transformers = pytest.importorskip("transformers")
 
@@ -146,7 +148,7 @@ class TestInProcessEngine:
         assert before != want_b
 
         # 40 kB buckets split q/k/v and gate/up of a layer across messages.
-        stats = engine.update_weights(hf_tensors(models["b"]), bucket_bytes=40_000)
+        stats = engine.update_weights(iter_buckets(hf_tensors(models["b"]), 40_000))
         n_params = sum(p.numel() for p in models["b"].parameters())
         assert stats.num_tensors == len(models["b"].state_dict())
         assert stats.num_bytes == 4 * n_params and stats.num_buckets > 10
@@ -154,7 +156,7 @@ class TestInProcessEngine:
         assert got_b == want_b
 
         # Back to A, in reverse order and one bucket: exactly the engine's first output.
-        engine.update_weights(reversed(hf_tensors(models["a"])))
+        engine.update_weights([list(reversed(hf_tensors(models["a"])))])
         after, after_samples = greedy(engine, prompt_ids)
         assert after == before
         assert [s.logprobs for s in after_samples] == [s.logprobs for s in before_samples]
@@ -163,10 +165,10 @@ class TestInProcessEngine:
         prompt_ids = prompts()
         want_a, _ = greedy(engine, prompt_ids)
         layer0_b = [(n, t) for n, t in hf_tensors(models["b"]) if ".layers.0." in n]
-        engine.update_weights(layer0_b)
+        engine.update_weights([layer0_b])
         mixed, _ = greedy(engine, prompt_ids)
         assert mixed != want_a
-        engine.update_weights(t for t in hf_tensors(models["a"]) if ".layers.0." in t[0])
+        engine.update_weights([[t for t in hf_tensors(models["a"]) if ".layers.0." in t[0]]])
         assert greedy(engine, prompt_ids)[0] == want_a
 
     def test_logprobs_match_transformers(self, engine, models):
@@ -309,9 +311,9 @@ def test_tensor_parallel_2(models, tmp_path):
         before, _ = greedy(engine, prompt_ids)
         assert before == hf_greedy(a, prompt_ids)
         b = make_qwen2(tmp_path / "b", seed=3, kv_heads=2)
-        engine.update_weights(hf_tensors(b), bucket_bytes=40_000)
+        engine.update_weights(iter_buckets(hf_tensors(b), 40_000))
         assert greedy(engine, prompt_ids)[0] == hf_greedy(b, prompt_ids)
-        engine.update_weights(hf_tensors(a))
+        engine.update_weights([hf_tensors(a)])
         assert greedy(engine, prompt_ids)[0] == before
     finally:
         engine.shutdown()
@@ -357,9 +359,9 @@ def test_benchmark_weight_update(tmp_path, tp):
             f"memcpy (Tensor.copy_) {total / min(memcpy_seconds[1:]) / 1e9:.2f} GB/s"
         )
         for bucket_mb in (16, 64, 256):
-            engine.update_weights(tensors, bucket_bytes=bucket_mb << 20)  # warm-up
+            engine.update_weights(iter_buckets(tensors, bucket_mb << 20))  # warm-up
             rss = engine.reset_peak_memory()
-            runs = [engine.update_weights(tensors, bucket_bytes=bucket_mb << 20) for _ in range(3)]
+            runs = [engine.update_weights(iter_buckets(tensors, bucket_mb << 20)) for _ in range(3)]
             extra = [
                 (peak - now) / 1e6 for peak, now in zip(engine.peak_memory(), rss, strict=True)
             ]

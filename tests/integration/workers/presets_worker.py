@@ -19,7 +19,6 @@ from vapo_megatron.config.recipe import load_recipe
 from vapo_megatron.step.run import run_step
 from vapo_megatron.trainer.session import Session
 from vapo_megatron.weights import hf_io
-from vapo_megatron.weights.export import export_hf
 
 
 def main(recipe: str, overrides: list[str]) -> None:
@@ -46,8 +45,8 @@ def main(recipe: str, overrides: list[str]) -> None:
 def check_critic_reload(session: Session, config) -> None:
     """NeMo-RL #3821, slime #1878: a loaded critic's value head equals the saved one."""
     out = Path(config.trainer.run_dir) / "critic_export"
-    export_hf(
-        session.critic, out, hf_config=hf_io.read_config(config.model.path),
+    session.critic.export_hf(
+        out, hf_config=hf_io.read_config(config.model.path),
         assets_from=config.model.path, host_group=session.host_group,
     )  # fmt: skip
     source = hf_io.HFCheckpoint(out)

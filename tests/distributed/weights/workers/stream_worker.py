@@ -9,7 +9,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from vapo_megatron.config.layout import ModelLayout
@@ -17,7 +16,7 @@ from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 from vapo_megatron.trainer.model_engine import ModelEngine
-from vapo_megatron.weights.stream import stream_plan, stream_policy_weights
+from vapo_megatron.weights.stream import stream_plan
 
 BUCKET = 64 * 1024
 
@@ -43,31 +42,18 @@ def main() -> None:
                 (name, tuple(meta.shape), meta.dtype)
                 for name, meta in stream_plan(engine.record, engine.config, pp_size=pp)
             ]
-            # One receiver serves one model replica: only that replica streams to it.
-            for receiver in (None, 0) if ps.get_data_parallel_rank() == 0 else (None,):
-                names = []
-                for bucket in stream_policy_weights(
-                    engine.chunks, engine.record, engine.config,
-                    tp_group=ps.get_tensor_model_parallel_group(),
-                    pp_group=ps.get_pipeline_model_parallel_group(), bucket_bytes=BUCKET,
-                    receiver=receiver,
-                ):  # fmt: skip
-                    size = sum(t.numel() * t.element_size() for _, t in bucket)
-                    assert size <= BUCKET or len(bucket) == 1, (size, len(bucket))
-                    for name, tensor in bucket:
-                        assert torch.equal(tensor, reference[name]), name
-                        assert plan[len(names)] == (name, tuple(tensor.shape), tensor.dtype)
-                        names.append(name)
-                if receiver is not None and dist.get_rank() != receiver:
-                    assert names == [], f"rank {dist.get_rank()} received {len(names)} tensors"
-                    continue
-                assert sorted(names) == sorted(reference), set(names) ^ set(reference)
-                assert len(names) == len(set(names))
-                assert len(names) == len(plan), "the stream yields every tensor of its plan"
-                who = "every rank" if receiver is None else f"receiver {receiver} only"
-                print(
-                    f"rank {dist.get_rank()}: tie={tie} TP{tp}xPP{pp} to {who}: {len(names)} tensors exact"
-                )
+            names = []
+            for bucket in engine.hf_buckets(BUCKET):
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                assert size <= BUCKET or len(bucket) == 1, (size, len(bucket))
+                for name, tensor in bucket:
+                    assert torch.equal(tensor, reference[name]), name
+                    assert plan[len(names)] == (name, tuple(tensor.shape), tensor.dtype)
+                    names.append(name)
+            assert sorted(names) == sorted(reference), set(names) ^ set(reference)
+            assert len(names) == len(set(names))
+            assert len(names) == len(plan), "the stream yields every tensor of its plan"
+            print(f"rank {dist.get_rank()}: tie={tie} TP{tp}xPP{pp}: {len(names)} tensors exact")
     destroy()
 
 

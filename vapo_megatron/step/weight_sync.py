@@ -1,11 +1,13 @@
 """The weight sync (step 2 of a step, and before an evaluation): the policy's Megatron shards
-streamed as full HF-named tensors, in buckets, into the rollout engine replicas."""
+streamed as full HF-named tensors, in buckets, into the rollout engine replicas.
+
+The buckets are made once, by the stream (``ModelEngine.hf_buckets``, ``weights/stream.py``),
+at the size of one engine message (``RolloutEngine.message_bytes``), and loaded as they come.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-
-from vapo_megatron.weights.stream import stream_plan, stream_policy_weights
 
 if TYPE_CHECKING:
     from vapo_megatron.rollout.engine import RolloutEngine, WeightUpdateStats
@@ -37,24 +39,14 @@ def push_policy_weights(
     prefetch: bool | None = None,
 ) -> WeightUpdateStats:
     """Every rank receives every full HF tensor of the policy, in process, and its part of its
-    engine replica keeps its vLLM TP slice; ``bucket_bytes`` bounds the stream's PP messages
-    and the engine's messages. The stream's plan lets each message go before the next tensor
-    is gathered (one message in flight per rank). ``buffers``: a ``GatherBuffers`` pool to keep
-    across calls (warm memory at the start of each sync, 3-7% faster on CPU, at the cost of
-    holding it in between; the trainer keeps none, docs/rollout.md); None gives each sync its
-    own.
-    ``prefetch``: see ``RolloutEngine.update_weights``. Collective over the policy's TP and PP
-    groups."""
-    policy.gather_params()  # the last update's shards, with overlap_param_gather
-    buckets = stream_policy_weights(
-        policy.chunks, policy.record, policy.config,
-        tp_group=policy.groups.parallel.tp, pp_group=policy.groups.parallel.pp,
-        ep_group=policy.groups.pg_collection.ep, expt_tp_group=policy.groups.pg_collection.expt_tp,
-        bucket_bytes=bucket_bytes, buffers=buffers,
-    )  # fmt: skip
-    return rollout.update_weights(
-        (named for bucket in buckets for named in bucket),
-        bucket_bytes=bucket_bytes,
-        prefetch=prefetch,
-        plan=stream_plan(policy.record, policy.config, pp_size=policy.layout.pp),
-    )
+    engine replica keeps its vLLM TP slice. ``bucket_bytes`` bounds the sync's weight bytes in
+    flight: the stream's buckets (its PP messages) are the engine's messages, a whole
+    ``bucket_bytes`` each, or half with ``prefetch`` (``RolloutEngine.update_weights``; the
+    next message is produced while one loads). A bucket is yielded before the tensor that does
+    not fit is gathered (one message in flight per rank). ``buffers``: a ``GatherBuffers``
+    pool to keep across calls (warm memory at the start of each sync, 3-7% faster on CPU, at
+    the cost of holding it in between; the trainer keeps none, docs/rollout.md); None gives
+    each sync its own. Collective over the policy's TP, PP and expert groups."""
+    message_bytes = rollout.message_bytes(bucket_bytes, prefetch)
+    messages = policy.hf_buckets(message_bytes, buffers=buffers)
+    return rollout.update_weights(messages, prefetch=prefetch)
