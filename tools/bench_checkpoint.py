@@ -62,7 +62,7 @@ def _worker(shape: str, root: Path, distopt: bool) -> None:
     hf = HFModelConfig.from_hf(hf_config.to_dict())
     initialize_megatron_cpu()
     from vapo_megatron.config.optim import OptimSettings
-    from vapo_megatron.trainer.model_engine import ModelEngine
+    from vapo_megatron.engine.model_engine import ModelEngine
 
     groups = build_model_groups(tp=1, pp=1, cp=1)
     optim = OptimSettings(lr=1e-4, distributed_optimizer=distopt)

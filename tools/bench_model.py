@@ -75,11 +75,11 @@ def worker(gpu: bool) -> None:
     from vapo_megatron.config.layout import ModelLayout
     from vapo_megatron.config.optim import OptimSettings
     from vapo_megatron.data.packing import pack, pad
+    from vapo_megatron.engine.model_engine import ModelEngine
     from vapo_megatron.models.config import HFModelConfig
     from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
     from vapo_megatron.parallel.reductions import global_loss_normalisers
     from vapo_megatron.step.losses import policy_loss_fn
-    from vapo_megatron.trainer.model_engine import ModelEngine
 
     tp = int(os.environ["WORLD_SIZE"])
     if gpu:

@@ -117,10 +117,10 @@ def build(hf_dir: str, engine_tp: int, quick: bool):
 
     from vapo_megatron.config.layout import ModelLayout
     from vapo_megatron.config.optim import OptimSettings
+    from vapo_megatron.engine.model_engine import ModelEngine
     from vapo_megatron.models.config import HFModelConfig
     from vapo_megatron.parallel.cpu_shim import initialize_megatron_cpu
     from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
-    from vapo_megatron.trainer.model_engine import ModelEngine
 
     initialize_megatron_cpu(tp=2)
     config = Qwen2Config(**(QUICK if quick else CONFIG))

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from gpu_checks.frame import check
-from vapo_megatron.trainer.model_engine import ModelEngine
+from vapo_megatron.engine.model_engine import ModelEngine
 
 
 def live_state(engine: ModelEngine) -> Iterator[tuple[str, torch.Tensor]]:

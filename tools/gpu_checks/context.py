@@ -14,10 +14,10 @@ from gpu_checks.tiny import HF_CONFIG, OPTIM, StepData, random_step
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.presets import algo_preset
 from vapo_megatron.config.layout import ModelLayout
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.provider import local_spec
 from vapo_megatron.parallel.model_groups import ModelGroups
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 
 @dataclass

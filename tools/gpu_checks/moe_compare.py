@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import torch
 
 from vapo_megatron.data.packing import MicroBatch
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.batching import ROUTES
 from vapo_megatron.step.critic_routes import whole_rows
-from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights.gather import chunk_parameters, model_chunks_of_rank
 
 GRAD_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}

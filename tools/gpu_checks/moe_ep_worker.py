@@ -47,12 +47,12 @@ from gpu_checks.spawn import write_result
 from gpu_checks.tiny import LOGIT_TOLERANCE, OPTIM, random_step
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.moe import MoESettings
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.parallel.model_groups import build_model_groups, ensure_global_memory_buffer
 from vapo_megatron.step.batching import build_samples, empty_micro_batch, micro_batches
-from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.trainer.session import init_distributed
 
 WORLD = 2

@@ -27,6 +27,7 @@ from gpu_checks.tiny import OPTIM, SEED, TOKEN_BUDGET, random_hf_tensors
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.recompute import RecomputeSettings
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.provider import local_spec
 from vapo_megatron.parallel.model_groups import build_model_groups
@@ -35,7 +36,6 @@ from vapo_megatron.step.critic_routes import step_routes
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
 from vapo_megatron.step.scoring import StepInputs
 from vapo_megatron.step.shard_route import ScoringPass, score_share, step_share
-from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights.critic import critic_from_policy
 
 MOE_CONFIG = {

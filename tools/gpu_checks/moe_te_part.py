@@ -55,6 +55,7 @@ from gpu_checks.tiny import LOGIT_TOLERANCE, OPTIM
 from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.moe import MoESettings
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.provider import (
     default_layer_spec,
@@ -64,7 +65,6 @@ from vapo_megatron.models.provider import (
 )
 from vapo_megatron.parallel.model_groups import build_model_groups
 from vapo_megatron.step.batching import build_samples, micro_batches
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 TE_SWITCHES = GpuSettings(moe_grouped_gemm=True, moe_permute_fusion=True)
 LOCAL_SWITCHES = GpuSettings(moe_grouped_gemm=False, moe_permute_fusion=False)

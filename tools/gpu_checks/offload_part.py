@@ -1,5 +1,5 @@
 """Part: the training state's round trip to the host while vLLM would be awake
-(``trainer/offload.py::TrainingOffload``), on the 32B-path engines after their steps.
+(``engine/offload.py::TrainingOffload``), on the 32B-path engines after their steps.
 
 In the trainer's order (``offload_for_weights``, then ``offload_policy_params``, then
 ``restore``), with the engines' parameters gathered first as the weight sync gathers them.
@@ -30,7 +30,7 @@ from gpu_checks.compare import compare_exact, resident_bytes, tensors_of
 from gpu_checks.context import Context
 from gpu_checks.frame import check
 from gpu_checks.recipe32b_parts import shard_step
-from vapo_megatron.trainer.offload import TrainingOffload
+from vapo_megatron.engine.offload import TrainingOffload
 
 MB = 1e6
 

@@ -32,6 +32,7 @@ from gpu_checks.frame import check
 from gpu_checks.tiny import LOGIT_TOLERANCE, OPTIM, SEED, TOKEN_BUDGET
 from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.recompute import RecomputeSettings
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.advantages import advantages_and_metrics, logprob_gap_metrics
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
@@ -39,7 +40,6 @@ from vapo_megatron.step.routed_route import RoutedRoute
 from vapo_megatron.step.scoring import StepInputs, StepModels, choose_path
 from vapo_megatron.step.shard_route import step_share
 from vapo_megatron.step.updates import UpdateData, minibatch_indices, update_minibatch
-from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights.critic import critic_from_policy
 
 STEPS = 3

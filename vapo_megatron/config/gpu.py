@@ -65,7 +65,7 @@ What megatron-core 0.16.1 needs for each (paths under ``megatron/core/``):
 ``ModelEngine`` sets ``no_sync_func`` when ``overlap_grad_reduce`` is on and forces the
 parameter gather (``ModelEngine.gather_params``) before every read outside a forward: the weight
 sync, the HF export, checkpoint saves and ``hf_weights``. It resolves with
-``overlap_hooks=True``; ``tests/distributed/trainer/test_overlap.py`` holds overlapped updates
+``overlap_hooks=True``; ``tests/distributed/engine/test_overlap.py`` holds overlapped updates
 equal to plain ones with a micro-batch count that changes every step (gloo, asynchronous handles).
 """
 

@@ -61,7 +61,7 @@ come back with the weights' wake, so the weight sync holds them. Every phase mus
 
 Pinned host memory per GPU (:func:`pinned_parts`, ``Plan.pinned``), every part labelled:
 the offloaded training state (exact: one arena of exactly params + Adam bytes, page-locked in
-place, ``trainer/host_arena.py``); megatron's checkpoint staging (estimated: its save copies
+place, ``engine/host_arena.py``); megatron's checkpoint staging (estimated: its save copies
 the rank's share to the host with ``non_blocking=True``, which pins through torch's caching host
 allocator, sync saves as well as async ones; each tensor rounds up to a power of two, and the
 blocks stay cached for the rest of the run; async saves stage both models at once, sync saves

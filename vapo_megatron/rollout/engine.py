@@ -205,7 +205,7 @@ class RolloutEngine:
     weight-transfer API with the ``vapo_inline`` backend (worker_extension.py).
 
     ``training_offload``: training memory moved to host while the engine is awake (the
-    trainer's ``trainer/offload.py::TrainingOffload``; GPU only).
+    trainer's ``engine/offload.py::TrainingOffload``; GPU only).
     """
 
     def __init__(

@@ -137,7 +137,7 @@ class SleepState:
 
 class TrainingStateOffload(Protocol):
     """What the engine asks of the trainer's training-state offload
-    (``trainer/offload.py::TrainingOffload``), in the order the engine calls it: before its
+    (``engine/offload.py::TrainingOffload``), in the order the engine calls it: before its
     weights wake, after the weight sync, when it sleeps again, and at shutdown."""
 
     @property

@@ -36,7 +36,7 @@ from vapo_megatron.parallel.context_parallel import split_packed_for_cp
 from vapo_megatron.parallel.devices import HOST
 
 if TYPE_CHECKING:
-    from vapo_megatron.trainer.model_engine import ModelEngine
+    from vapo_megatron.engine.model_engine import ModelEngine
 
 
 def whole_rows(engine: ModelEngine, mbs: Sequence[MicroBatch]) -> list[torch.Tensor]:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.masks import all_true, count_true
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.advantages import monte_carlo_config
@@ -61,7 +62,6 @@ from vapo_megatron.step.scoring import (
     StepModels,
 )
 from vapo_megatron.step.shard_route import ScoringPass, StepShare, score_share
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 
 class RoutedRoute:

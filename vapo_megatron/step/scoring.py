@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.masks import all_true
+from vapo_megatron.engine.model_engine import LossFn, ModelEngine
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.batching import (
@@ -39,7 +40,6 @@ from vapo_megatron.step.batching import (
     row_lengths,
 )
 from vapo_megatron.step.token_sums import HeldTokens, TokenSums
-from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.masks import count_true
 from vapo_megatron.data.packing import MicroBatch, Sample
+from vapo_megatron.engine.model_engine import LossFn, ModelEngine
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.advantages import gae_on_cp_shards
@@ -53,7 +54,6 @@ from vapo_megatron.step.batching import (
 from vapo_megatron.step.critic_routes import keep_sample_routes, whole_rows
 from vapo_megatron.step.scoring import Side, StepInputs
 from vapo_megatron.step.token_sums import HeldTokens, TokenSums
-from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
 
 SCORING_CHUNK = 16
 """Micro-batches packed and scored at a time (without a pipeline): the host holds a chunk's

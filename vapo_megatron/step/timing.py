@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from vapo_megatron.engine.model_engine import ModelEngine
     from vapo_megatron.step.rollout import RolloutStats
-    from vapo_megatron.trainer.model_engine import ModelEngine
 
 
 class Timer:

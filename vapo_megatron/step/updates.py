@@ -20,6 +20,7 @@ import torch
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.rollout_correction import RolloutCorrectionConfig, rollout_weights
 from vapo_megatron.data.packing import MicroBatch, Sample
+from vapo_megatron.engine.model_engine import LossFn, ModelEngine
 from vapo_megatron.parallel.collectives import all_gather_objects, all_reduce
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.parallel.reductions import LossNormalisers, global_loss_normalisers
@@ -34,7 +35,6 @@ from vapo_megatron.step.batching import (
 from vapo_megatron.step.losses import policy_loss_fn, value_loss_fn
 from vapo_megatron.step.scoring import OutputRoute, TokenFields
 from vapo_megatron.step.timing import Timer
-from vapo_megatron.trainer.model_engine import LossFn, ModelEngine
 
 CRITIC_FIELDS = ["returns", "old_values"]
 """Per-token fields the critic's loss reads (``losses.value_loss_fn``)."""

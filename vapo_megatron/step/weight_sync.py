@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from vapo_megatron.engine.model_engine import ModelEngine
     from vapo_megatron.rollout.engine import RolloutEngine, WeightUpdateStats
-    from vapo_megatron.trainer.model_engine import ModelEngine
     from vapo_megatron.trainer.session import Session
     from vapo_megatron.weights.gather import GatherBuffers
 

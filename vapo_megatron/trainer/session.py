@@ -30,6 +30,7 @@ from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.data.prompts import TokenizedPrompt, load_prompts, tokenize_prompts
 from vapo_megatron.data.sampler import PromptSampler
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.collectives import make_host_group
@@ -41,7 +42,6 @@ from vapo_megatron.parallel.model_groups import (
 )
 from vapo_megatron.rewards.registry import check_data_sources, resolve_routing
 from vapo_megatron.run_log import native_stderr_to_rank_log
-from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights import hf_io
 from vapo_megatron.weights.critic import (
     check_critic_model,
@@ -305,7 +305,7 @@ class Session:
         engine goes to sleep at once, which brings the training state back."""
         offload = None
         if self.config.rollout.offload_training_state:
-            from vapo_megatron.trainer.offload import TrainingOffload
+            from vapo_megatron.engine.offload import TrainingOffload
 
             offload = TrainingOffload(self.policy, self.critic)
             offload.offload_all()

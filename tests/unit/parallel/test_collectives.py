@@ -196,12 +196,12 @@ def test_engine_refuses_a_long_row_on_a_gpu_without_te(monkeypatch):
     before anything reaches the model (CUDA reported present only after the engine is built)."""
     from vapo_megatron.config.layout import ModelLayout
     from vapo_megatron.config.optim import OptimSettings
+    from vapo_megatron.engine.model_engine import ModelEngine
     from vapo_megatron.models.config import HFModelConfig
     from vapo_megatron.models.provider import LOCAL_ATTENTION_MAX_TOKENS
     from vapo_megatron.parallel.cpu_shim import apply_cpu_shim
     from vapo_megatron.parallel.model_groups import build_model_groups, ensure_global_memory_buffer
     from vapo_megatron.step.losses import value_scoring_fn
-    from vapo_megatron.trainer.model_engine import ModelEngine
 
     apply_cpu_shim()
     hf = HFModelConfig.from_hf(
@@ -222,7 +222,7 @@ def test_engine_refuses_a_long_row_on_a_gpu_without_te(monkeypatch):
 def test_engine_refuses_a_model_that_reads_position_ids():
     from types import SimpleNamespace
 
-    from vapo_megatron.trainer.model_engine import _check_positions_unused
+    from vapo_megatron.engine.model_engine import _check_positions_unused
 
     _check_positions_unused(SimpleNamespace(position_embedding_type="rope", mtp_process=False))
     for model in (

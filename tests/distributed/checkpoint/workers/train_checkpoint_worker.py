@@ -41,11 +41,11 @@ from vapo_megatron.checkpoint.state import TrainableState
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.data.packing import pad
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 from vapo_megatron.parallel.model_groups import build_model_groups
 from vapo_megatron.parallel.reductions import global_loss_normalisers
-from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.trainer.preemption import PreemptionFlag
 
 CASES = {

@@ -31,6 +31,7 @@ from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.config.recompute import RecomputeSettings
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
@@ -42,7 +43,6 @@ from vapo_megatron.step.scoring import StepInputs
 from vapo_megatron.step.shard_route import ScoringPass, score_share, step_share
 from vapo_megatron.step.updates import route_agreement
 from vapo_megatron.tiny.model import tiny_qwen3_config, train_tokenizer
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 LENGTHS = [(3, 9), (6, 2), (2, 5), (5, 7), (4, 11), (7, 3)]  # (prompt, response) per sample
 LAYERS = 4

@@ -29,6 +29,7 @@ from tests.distributed.models.workers.moe_ep_step_worker import (
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.data.packing import Sample
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.router_replay import ROUTES
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.collectives import all_gather_objects, make_host_group
@@ -40,7 +41,6 @@ from vapo_megatron.step.batching import FLAT_INDEX, Ragged
 from vapo_megatron.step.losses import logprob_scoring_fn, policy_loss_fn
 from vapo_megatron.step.scoring import StepInputs
 from vapo_megatron.step.updates import train_on
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 LENGTHS = [(10, 20)] + [(2, 3)] * 6  # (prompt, response): 30 tokens, then 6 x 5 tokens
 TOKEN_BUDGET = 12  # rank 0: 1 micro-batch; rank 1: 3 (two samples each)

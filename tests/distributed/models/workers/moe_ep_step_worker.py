@@ -31,6 +31,7 @@ from vapo_megatron.algorithms.presets import algo_preset
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.data.packing import Sample
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import build_model_groups, ensure_global_memory_buffer
@@ -38,7 +39,6 @@ from vapo_megatron.step.batching import FLAT_INDEX
 from vapo_megatron.step.losses import policy_loss_fn
 from vapo_megatron.step.updates import train_on
 from vapo_megatron.tiny.model import tiny_qwen3_config, train_tokenizer
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 # (layout, build_model_groups sizes) on 2 ranks.
 LAYOUTS = {

@@ -19,12 +19,12 @@ from transformers import AutoModel, AutoModelForCausalLM
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.data.packing import Sample, pack, pad
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.context_parallel import split_for_cp, split_packed_for_cp
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import ModelGroups, build_model_groups
 from vapo_megatron.tiny.model import tiny_qwen3_config, train_tokenizer
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 LENGTHS = [(3, 9), (6, 2), (2, 5), (5, 7)]  # (prompt, response) per sample
 HEADS = ("lm", "value")

@@ -33,12 +33,12 @@ from train_step_worker import (
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.data.packing import pack, pad
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import build_model_groups
 from vapo_megatron.parallel.reductions import global_loss_normalisers
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 WARMUP = OptimSettings(**{**OPTIM.__dict__, "lr_warmup_steps": 2})
 # name: ((policy layout, micro-batches, packed), (critic layout, micro-batches, packed), critic

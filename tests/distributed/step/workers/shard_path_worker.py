@@ -29,6 +29,7 @@ from train_step_worker import HF_CONFIG, OPTIM, make_weights
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.recipe import load_recipe
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.collectives import all_gather_objects, make_host_group
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
@@ -38,7 +39,6 @@ from vapo_megatron.parallel.model_groups import (
     seed_rng_tracker,
 )
 from vapo_megatron.step import rollout, run
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 REPO = Path(__file__).resolve().parents[4]
 ONE = ModelLayout()

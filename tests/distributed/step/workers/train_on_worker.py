@@ -16,6 +16,7 @@ from vapo_megatron.algorithms.presets import algo_preset
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.data.packing import Sample
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import (
@@ -26,7 +27,6 @@ from vapo_megatron.parallel.model_groups import (
 from vapo_megatron.step.batching import FLAT_INDEX
 from vapo_megatron.step.losses import policy_loss_fn, value_loss_fn
 from vapo_megatron.step.updates import train_on
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 OPTIM = OptimSettings(lr=1e-3, weight_decay=0.0, adam_eps=1e-6, clip_grad=0.5)
 ALGO = algo_preset("vapo", value_clip=0.5, critic_init="policy")

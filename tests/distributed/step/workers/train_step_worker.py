@@ -19,12 +19,12 @@ from vapo_megatron.algorithms.presets import algo_preset
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.data.packing import Sample, pack, pad
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.models.logprobs import VocabSlice
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
 from vapo_megatron.parallel.reductions import global_loss_normalisers
 from vapo_megatron.step.losses import policy_loss_fn, value_loss_fn, value_scoring_fn
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 VOCAB = 250
 OPTIM = OptimSettings(lr=1e-3, weight_decay=0.0, adam_eps=1e-6, clip_grad=0.5)

@@ -19,9 +19,9 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
-from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights.stream import stream_plan, stream_policy_weights
 
 BUCKET = 16 * 1024  # smaller than one layer's experts (4 x 3 x 32 x 64 x 4 B = 96 KiB)

@@ -13,9 +13,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import destroy, initialize_megatron_cpu
-from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights.stream import stream_plan
 
 BUCKET = 64 * 1024

@@ -22,11 +22,11 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import initialize_megatron_cpu
 from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
 from vapo_megatron.step.weight_sync import push_policy_weights
-from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights.hf_io import HFCheckpoint
 
 # head_dim 64: vLLM-CPU's attention refuses 16 ("Unsupported CPU attention configuration").

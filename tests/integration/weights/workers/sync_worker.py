@@ -31,6 +31,7 @@ from vapo_megatron.algorithms.presets import algo_preset
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.data.packing import Sample, pad
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import initialize_megatron_cpu
 from vapo_megatron.parallel.reductions import global_loss_normalisers
@@ -38,7 +39,6 @@ from vapo_megatron.rollout.engine import RolloutConfig, RolloutEngine
 from vapo_megatron.rollout.sleep_state import EngineStateError
 from vapo_megatron.step.losses import logprob_scoring_fn, policy_loss_fn
 from vapo_megatron.step.weight_sync import push_policy_weights
-from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.weights.gather import GatherBuffers
 from vapo_megatron.weights.stream import stream_policy_weights
 

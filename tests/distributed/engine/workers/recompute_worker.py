@@ -21,6 +21,7 @@ from tests.distributed.step.workers.train_on_worker import (
 from tests.distributed.step.workers.train_step_worker import make_weights
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.recompute import RecomputeSettings
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import (
     build_model_groups,
@@ -30,7 +31,6 @@ from vapo_megatron.parallel.model_groups import (
 from vapo_megatron.parallel.reductions import global_loss_normalisers
 from vapo_megatron.step.batching import micro_batches
 from vapo_megatron.step.losses import policy_loss_fn, value_loss_fn
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 RECOMPUTES = {
     "selective": RecomputeSettings(granularity="selective"),

@@ -28,13 +28,13 @@ from vapo_megatron.config import gpu as gpu_settings
 from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
+from vapo_megatron.engine import model_engine
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import build_model_groups, seed_rng_tracker
 from vapo_megatron.step.losses import logprob_scoring_fn, policy_loss_fn, value_loss_fn
 from vapo_megatron.step.scoring import score_flat
 from vapo_megatron.step.updates import train_on
-from vapo_megatron.trainer import model_engine
-from vapo_megatron.trainer.model_engine import ModelEngine
 
 NO_FUSIONS = dict(
     bias_activation_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from vapo_megatron.engine.host_arena import HostArena
 from vapo_megatron.rollout.sleep_state import EngineStateError
-from vapo_megatron.trainer.host_arena import HostArena
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class TrainingOffload:
     ``shutdown``). It grows only when the state does (Adam's moments appear at the first
     update). On CPU the same code runs with an unpinned arena: the CPU twin.
 
-    The order, driven by ``RolloutEngine`` (tests/unit/trainer/test_offload.py)::
+    The order, driven by ``RolloutEngine`` (tests/unit/engine/test_offload.py)::
 
         offload_for_weights   gradients dropped; everything else except the policy's
                               parameters copied (the sync reads them)

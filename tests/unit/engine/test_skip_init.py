@@ -10,10 +10,10 @@ import torch.distributed as dist
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.config.recipe import config_from_dict
+from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.cpu_shim import apply_cpu_shim
 from vapo_megatron.parallel.model_groups import build_model_groups
-from vapo_megatron.trainer.model_engine import ModelEngine
 from vapo_megatron.trainer.session import build_engine
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Training state off the device and back (trainer/offload.py TrainingOffload): every
+"""Training state off the device and back (engine/offload.py TrainingOffload): every
 parameter and optimizer tensor of both models returns bit-identical and every gradient as
 zeros (dropped, never copied), in the engine's order; the host copies live in one arena of
 exactly the bytes copied, pinned once and reused; and the session starts vLLM with the state
@@ -20,13 +20,13 @@ from tests.distributed.step.workers.train_on_worker import (
 from tests.distributed.step.workers.train_step_worker import make_weights
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
+from vapo_megatron.engine.model_engine import ModelEngine
+from vapo_megatron.engine.offload import TrainingOffload
 from vapo_megatron.parallel.cpu_shim import apply_cpu_shim
 from vapo_megatron.parallel.model_groups import build_model_groups, ensure_global_memory_buffer
 from vapo_megatron.rollout.sleep_state import EngineStateError
 from vapo_megatron.step.losses import policy_loss_fn, value_loss_fn
 from vapo_megatron.step.updates import train_on
-from vapo_megatron.trainer.model_engine import ModelEngine
-from vapo_megatron.trainer.offload import TrainingOffload
 
 pytestmark = pytest.mark.unit
 
@@ -194,7 +194,7 @@ def test_one_exact_pinned_arena_reused_grown_once_and_released(monkeypatch):
     """Pinned through cudaHostRegister, not torch's power-of-two caching host allocator: one
     allocation of exactly the bytes copied (no gradient bytes), reused by later round trips;
     a new exact one (the old unpinned first) only when Adam's moments appear; freed at release."""
-    from vapo_megatron.trainer import host_arena
+    from vapo_megatron.engine import host_arena
 
     cudart = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
