@@ -3,6 +3,7 @@
     python tools/make_tiny_long.py OUT_DIR [--seed 0] [--warmup-steps 3000] [--slip-rate 0.02]
         [--warmup-problems 40000] [--orm-prompts 256] [--orm-steps 150] [--n-train 2000]
         [--n-eval 200] [--eval-prompts 100]
+        [--unfinished [--unfinished-prefixes 0.25] [--unfinished-steps 150]]
 
 OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl (``tiny/long_trace.py``, graded by the long_trace
 verifier), OUT_DIR/model (tokenizer + Qwen2ForCausalLM warmed up on slipping traces of fresh
@@ -18,6 +19,15 @@ does nothing. vapo_megatron/tiny/long holds the output of the stamp's command; t
 recipes recipes/ablation_long*.yaml read it from there. Convert the reward model for a critic
 with ``tools/convert.py hf-to-mcore --hf OUT_DIR/reward_model --out DIR --critic-from
 reward-model``.
+
+``--unfinished`` also writes OUT_DIR/reward_model_unfinished (issue 44): the same reward model
+(same samples, start and loss) trained as well on ``--unfinished-prefixes`` prefixes a response
+(on average), cut at uniformly random points and labelled as failures (-1): the paper's biased
+reward model, whose values are low early in a response (``tiny/long_model.py:
+write_unfinished_reward_model``). The stamp records it under "reward_model_unfinished" (its
+parameters, the policy's SHA-256 it was built from, its weights' SHA-256, its fit) and both
+reward models' value profiles along held-out responses under "reward_profile"
+(tools/reward_profile.py); a rerun with the same parameters does nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +47,11 @@ from make_tiny import sha256  # noqa: E402
 
 STAMP_VERSION = 2
 """Bump when the task, tokenizer or models change, so old outputs are rebuilt."""
+UNFINISHED_VERSION = 1
+"""Bump when the unfinished-prefix reward model's construction changes."""
+UNFINISHED_DIR = "reward_model_unfinished"
+UNFINISHED_KEYS = ("unfinished", "unfinished_prefixes", "unfinished_steps")
+"""Options of the second reward model alone: not part of the main build's parameters."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,7 +66,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-eval", type=int, default=200)
     parser.add_argument("--eval-prompts", type=int, default=100)
+    parser.add_argument(
+        "--unfinished",
+        action="store_true",
+        help="also the reward model trained on unfinished prefixes (issue 44)",
+    )
+    parser.add_argument(
+        "--unfinished-prefixes",
+        type=float,
+        default=0.25,
+        help="unfinished prefixes (labelled -1) per response, on average",
+    )
+    parser.add_argument("--unfinished-steps", type=int, default=150)
     args = parser.parse_args(argv)
+    if args.unfinished_prefixes < 0 or args.unfinished_steps < 1:
+        parser.error(
+            f"--unfinished-prefixes must be >= 0 and --unfinished-steps >= 1, got "
+            f"{args.unfinished_prefixes} and {args.unfinished_steps}"
+        )
     if not 0 < args.orm_prompts <= args.n_train:
         parser.error(
             f"--orm-prompts must be in 1..--n-train ({args.n_train}), got {args.orm_prompts}"
@@ -142,22 +174,99 @@ def build(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    params = {"version": STAMP_VERSION, **{k: v for k, v in vars(args).items() if k != "out_dir"}}
+    stamp = build_once(args)
+    if args.unfinished:
+        stamp = build_unfinished_once(args, stamp)
+        print(json.dumps(stamp["reward_model_unfinished"]["result"]))
+
+
+def build_once(args: argparse.Namespace) -> dict:
+    """The task, policy and reward model (``build``) unless the stamp has these parameters;
+    prints the result line and returns the stamp."""
+    params = {"version": STAMP_VERSION, **{k: v for k, v in vars(args).items()
+                                           if k != "out_dir" and k not in UNFINISHED_KEYS}}  # fmt: skip
     stamp_path = args.out_dir / "stamp.json"
     outputs = ("model/config.json", "reward_model/config.json", "train.jsonl", "eval.jsonl")
     if stamp_path.exists() and all((args.out_dir / p).exists() for p in outputs):
         stamp = json.loads(stamp_path.read_text())
         if stamp["params"] == params:
             print(json.dumps({**stamp["result"], "reused": True}))
-            return
+            return stamp
     result = build(args)
     command = "python tools/make_tiny_long.py OUT_DIR " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in params.items() if k != "version"
     )
-    stamp_path.write_text(
-        json.dumps({"params": params, "result": result, "command": command}, indent=2) + "\n"
-    )
+    stamp = {"params": params, "result": result, "command": command}
+    stamp_path.write_text(json.dumps(stamp, indent=2) + "\n")
     print(json.dumps(result))
+    return stamp
+
+
+def build_unfinished_once(args: argparse.Namespace, stamp: dict) -> dict:
+    """OUT_DIR/reward_model_unfinished and both reward models' profiles, unless the stamp has
+    them for these parameters and this policy; returns the stamp."""
+    params = {"version": UNFINISHED_VERSION, "seed": args.seed, "orm_prompts": args.orm_prompts,
+              "prefixes_per_response": args.unfinished_prefixes, "steps": args.unfinished_steps,
+              "eval_prompts": args.eval_prompts, "n_eval": args.n_eval,
+              "model_sha256": stamp["result"]["model_sha256"]}  # fmt: skip
+    done = stamp.get("reward_model_unfinished", {})
+    if done.get("params") == params and (args.out_dir / UNFINISHED_DIR / "config.json").exists():
+        done["result"]["reused"] = True
+        return stamp
+    result, profile = build_unfinished(args)
+    command = stamp["command"] + (
+        f" --unfinished --unfinished-prefixes {args.unfinished_prefixes}"
+        f" --unfinished-steps {args.unfinished_steps}"
+    )
+    stamp["reward_model_unfinished"] = {"params": params, "result": result, "command": command}
+    stamp["reward_profile"] = profile
+    (args.out_dir / "stamp.json").write_text(json.dumps(stamp, indent=2) + "\n")
+    return stamp
+
+
+def build_unfinished(args: argparse.Namespace) -> tuple[dict, dict]:
+    """Writes OUT_DIR/reward_model_unfinished from OUT_DIR's policy and training prompts;
+    returns its result (SHA-256, samples, loss, fit as ``reward_model_measures``) and the
+    profiles of both reward models on the held-out prompts (tools/reward_profile.py)."""
+    from reward_profile import MODELS, measure
+
+    from vapo_megatron.tiny.long_model import write_unfinished_reward_model
+    from vapo_megatron.tiny.long_trace import read_rows
+
+    out_dir: Path = args.out_dir
+    model_dir, orm_dir = out_dir / "model", out_dir / UNFINISHED_DIR
+    start, start_cpu = time.perf_counter(), time.process_time()
+    fit = write_unfinished_reward_model(
+        orm_dir, policy_dir=model_dir, seed=args.seed, steps=args.unfinished_steps,
+        rows=read_rows(out_dir / "train.jsonl")[: args.orm_prompts],
+        prefixes_per_response=args.unfinished_prefixes,
+    )  # fmt: skip
+    build_seconds = time.perf_counter() - start
+    eval_rows = read_rows(out_dir / "eval.jsonl")[: args.eval_prompts]
+    measures = reward_model_measures(orm_dir, model_dir, eval_rows, args.seed)
+    result = {
+        "reward_model": str(orm_dir),
+        "reward_model_sha256": sha256(orm_dir / "model.safetensors"),
+        **{f"orm_{k}": round(v, 4) for k, v in fit.items()},
+        **{k: round(v, 4) for k, v in measures.items()},
+        "build_seconds": round(build_seconds, 1),
+    }
+    profile = measure(out_dir, MODELS, args.n_eval, args.seed)
+    profile["sha256"] = {name: sha256(out_dir / name / "model.safetensors") for name in MODELS}
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    result["cpu_seconds"] = round(time.process_time() - start_cpu, 1)
+    return result, _rounded(profile)
+
+
+def _rounded(value):
+    """Floats in nested dicts and lists to 4 decimals (the stamp's precision)."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@
   (temperature 1) to predict the verifier's score (+1 / -1) at the response's last token only.
   Its values at earlier tokens were never trained, so they are biased, as the paper says of a
   critic initialised from a reward model; the value pretraining has to fix them.
+- ``write_unfinished_reward_model`` (issue 44): the same, trained also on unfinished prefixes
+  of the responses (cut at uniformly random points) labelled as failures, so it learns
+  "unfinished = bad" and values a half-finished response low: the sign of the paper's bias
+  (values too low early in a response, rising toward its end), which the first ORM lacks.
 
 Both run on one CPU thread, every draw from the seed, so a rebuild on the same CPU is
 bit-identical. Prompts are encoded with the 'raw' template (the recipes' ``data.template``).
@@ -33,7 +37,7 @@ from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen2ForSequenceCla
 
 from vapo_megatron.data.prompts import PromptRecord
 from vapo_megatron.data.templates import encode_prompt
-from vapo_megatron.rewards.long_trace import grade
+from vapo_megatron.rewards.long_trace import WRONG, grade
 from vapo_megatron.tiny.long_trace import make_rows, parse, read_rows, solve, worked_solution
 from vapo_megatron.tiny.model import collate, tiny_qwen2_config, train_tokenizer
 
@@ -45,6 +49,9 @@ WARMUP_PROBLEMS = 40000
 """Fresh problems the warm-up draws its batches from (16 x 3000 steps is 1.2 passes)."""
 MAX_POSITIONS = 1024
 """The models' max_position_embeddings (tiny_qwen2_config's); prompt + response stay below."""
+UNFINISHED_SCORE = WRONG.score
+"""The target of an unfinished prefix in ``write_unfinished_reward_model``: the verifier's
+failing score (-1)."""
 
 
 def write_long_policy(
@@ -126,6 +133,70 @@ def write_reward_model(
     """Trains the ORM on one temperature-1 sample of the policy per row of ``rows`` and writes
     it to ``out_dir`` (HF Qwen2ForSequenceClassification, num_labels 1, with the tokenizer).
     Returns the samples' pass rate, their mean length, and the last loss."""
+
+    def finished(samples: list[dict[str, Any]]) -> list[tuple[list[int], float]]:
+        return [(s["ids"], s["score"]) for s in samples]
+
+    return _write_orm(out_dir, policy_dir=policy_dir, rows=rows, label=finished, seed=seed,
+                      steps=steps, lr=lr, batch_size=batch_size)  # fmt: skip
+
+
+def write_unfinished_reward_model(
+    out_dir: str | Path,
+    *,
+    policy_dir: str | Path,
+    rows: Sequence[dict[str, str]],
+    seed: int,
+    steps: int,
+    prefixes_per_response: float = 0.25,
+    lr: float = 1e-3,
+    batch_size: int = 16,
+) -> dict[str, float]:
+    """The ORM of ``write_reward_model`` (same samples, start and loss) trained also on
+    unfinished prefixes of the responses labelled as failures (``unfinished_examples``, on
+    average ``prefixes_per_response`` a response): it learns "unfinished = bad", the way a
+    reward model comes to value a half-finished response low (VC-PPO's bias of a critic
+    started from it). At one prefix a response or more every state it values is mostly a
+    prefix, and its values are -1 all along; at 0.25 they start near -1 and rise toward the
+    mean score (docs/ablation.md, "The value model's bias")."""
+    if prefixes_per_response < 0:
+        raise ValueError(f"prefixes_per_response must be >= 0, got {prefixes_per_response}")
+    cuts = random.Random(seed + 3)  # seed + 1 and + 2 draw the policy's warm-up
+    prefixes = []
+
+    def with_prefixes(samples: list[dict[str, Any]]) -> list[tuple[list[int], float]]:
+        items = unfinished_examples(samples, prefixes_per_response=prefixes_per_response, rng=cuts)
+        prefixes.append(len(items) - len(samples))
+        return items
+
+    result = _write_orm(out_dir, policy_dir=policy_dir, rows=rows, label=with_prefixes, seed=seed,
+                        steps=steps, lr=lr, batch_size=batch_size)  # fmt: skip
+    return {**result, "prefixes": prefixes[0]}
+
+
+def unfinished_examples(
+    samples: Sequence[dict[str, Any]], *, prefixes_per_response: float, rng: random.Random
+) -> list[tuple[list[int], float]]:
+    """(ids, target at the last id) of each graded sample (``sample``'s dicts): the finished
+    response with the verifier's score, then its prefixes with ``UNFINISHED_SCORE``: the
+    whole part of ``prefixes_per_response`` of them, and one more with the probability of its
+    fractional part. A prefix is the prompt and the response's first c tokens, c drawn
+    uniformly from 0..R-1 (R its response tokens, eos included: the states s_0..s_{R-1} a
+    critic values, s_0 the prompt alone)."""
+    whole, part = divmod(prefixes_per_response, 1.0)
+    items = []
+    for s in samples:
+        items.append((s["ids"], s["score"]))
+        count = int(whole) + (1 if part > 0 and rng.random() < part else 0)
+        for _ in range(count if s["response_tokens"] > 0 else 0):
+            cut = rng.randrange(s["response_tokens"])
+            items.append((s["ids"][: s["prompt_tokens"] + cut], UNFINISHED_SCORE))
+    return items
+
+
+def _write_orm(out_dir, *, policy_dir, rows, label, seed, steps, lr, batch_size) -> dict:
+    """An ORM on the policy's trunk with a zero ``score`` head, fitted (MSE at each item's last
+    token) to ``label(samples)`` of one temperature-1 sample per row, written to ``out_dir``."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
@@ -137,12 +208,12 @@ def write_reward_model(
     orm = Qwen2ForSequenceClassification(config)
     orm.model.load_state_dict(policy.model.state_dict())
     torch.nn.init.zeros_(orm.score.weight)
-    items = [(s["ids"], s["score"]) for s in samples]
+    items = label(samples)
     lengths = [len(ids) for ids, _ in items]
 
     def loss_of(batch: list[tuple[list[int], float]]) -> torch.Tensor:
         values = last_token_values(orm, [ids for ids, _ in batch], tokenizer.pad_token_id)
-        target = torch.tensor([score for _, score in batch], dtype=values.dtype)
+        target = torch.tensor([score for _, score in batch], dtype=values.dtype, device="cpu")
         return torch.nn.functional.mse_loss(values, target)
 
     def batch_of(indices: list[int]) -> list[tuple[list[int], float]]:
@@ -192,7 +263,7 @@ def sample(
         chunk = [rows[i] for i in where]
         prompts = [prompt_ids(row, tokenizer) for row in chunk]
         width = max(map(len, prompts))
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cpu")
         mask = (input_ids != pad).long()
         generated = model.generate(
             input_ids=input_ids,
@@ -217,17 +288,17 @@ def sample(
 def last_token_values(orm: Any, sequences: Sequence[list[int]], pad_id: int) -> torch.Tensor:
     """The score head at each sequence's last token: [B] (right-padded batch)."""
     width = max(map(len, sequences))
-    input_ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    input_ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences], device="cpu")
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences], device="cpu")
     hidden = orm.model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [B, T, H]
-    last = torch.tensor([len(s) - 1 for s in sequences])
-    return orm.score(hidden[torch.arange(len(sequences)), last]).squeeze(-1)
+    last = torch.tensor([len(s) - 1 for s in sequences], device="cpu")
+    return orm.score(hidden[torch.arange(len(sequences), device="cpu"), last]).squeeze(-1)
 
 
 @torch.no_grad()
 def token_values(orm: Any, ids: list[int]) -> torch.Tensor:
     """The score head at every token of one sequence: [T]."""
-    hidden = orm.model(input_ids=torch.tensor([ids])).last_hidden_state
+    hidden = orm.model(input_ids=torch.tensor([ids], device="cpu")).last_hidden_state
     return orm.score(hidden[0]).squeeze(-1)
 
 

@@ -55,3 +55,43 @@ def test_paper_values_and_the_shipped_models():
         1,
     )
     assert load_recipe(ROWS["vapo_without_value_pretraining"]).algorithm.value_pretrain_steps == 0
+
+
+# Issue 44: the rows on the reward model with the paper's value bias.
+UNFINISHED = RECIPES / "ablation_long_unfinished.yaml"
+UNFINISHED_FAST = RECIPES / "ablation_long_unfinished_fast_critic.yaml"
+BIAS_ROWS = ("vapo", "vapo_without_value_pretraining", "vapo_without_decoupled_gae", "ppo")
+
+
+def test_unfinished_recipes_are_the_base_with_the_biased_critic_and_its_lr():
+    base = load_recipe(BASE)
+    paper, fast = load_recipe(UNFINISHED), load_recipe(UNFINISHED_FAST)
+    for config in (paper, fast):
+        assert Path(config.critic.init_path).name == "reward_model_unfinished"
+        assert (REPO_ROOT / config.critic.init_path / "config.json").is_file()
+        assert asdict(config.algorithm) == asdict(base.algorithm)
+        assert config.policy.optim.lr == base.policy.optim.lr == 3.0e-5
+        assert asdict(config.rollout) == asdict(base.rollout)
+        assert config.critic.optim.weight_decay == base.critic.optim.weight_decay
+    assert paper.critic.optim.lr == pytest.approx(2 * paper.policy.optim.lr)  # the paper's ratio
+    assert fast.critic.optim.lr == base.critic.optim.lr == 2.0e-3  # today's
+
+
+@pytest.mark.parametrize("name", BIAS_ROWS)
+@pytest.mark.parametrize("recipe", [UNFINISHED, UNFINISHED_FAST])
+def test_the_bias_sweeps_rows_load_and_keep_the_biased_critic(recipe, name):
+    config = load_recipe(recipe)
+    plan = scaled_algorithm(name, config)
+    assert plan.get("critic_init", "reward_model") == "reward_model"  # the reward model is kept
+    row = load_recipe(recipe, _algorithm_overrides(plan) + ["critic.optim.lr=1e-4"])
+    row.check(2)
+    assert row.critic.optim.lr == 1e-4  # tools/ablate.py's overrides reach the critic's lr
+    assert row.critic.init_path == config.critic.init_path
+
+
+def test_the_bias_sweep_script_runs_these_recipes_and_rows():
+    script = (REPO_ROOT / "tools" / "ablation_bias_sweep.sh").read_text()
+    assert f"--rows {','.join(BIAS_ROWS)}" in script
+    for recipe in (UNFINISHED, UNFINISHED_FAST):
+        assert str(recipe.relative_to(REPO_ROOT)) in script
+    assert '--json "$report"' in script and "docs/ablation_bias.json" in script
