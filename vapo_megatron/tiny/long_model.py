@@ -16,7 +16,8 @@
 - ``write_unfinished_reward_model`` (issue 44): the same, trained also on unfinished prefixes
   of the responses (cut at uniformly random points) labelled as failures, so it learns
   "unfinished = bad" and values a half-finished response low: the sign of the paper's bias
-  (values too low early in a response, rising toward its end), which the first ORM lacks.
+  (values too low early in a response), which the first ORM lacks; measured, its values stay
+  low to the last token rather than rising (docs/ablation.md, "The value model's bias").
 
 Both run on one CPU thread, every draw from the seed, so a rebuild on the same CPU is
 bit-identical. Prompts are encoded with the 'raw' template (the recipes' ``data.template``).
