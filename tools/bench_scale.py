@@ -9,7 +9,7 @@ returns deterministic values, the updates do no arithmetic and weight sync is sk
 ranks form two rollout replicas; both models DP2 (one layout: nothing per token crosses
 ranks), or with ``--mixed`` the policy TP2 (DP1) and the critic DP2, as a smaller critic next to
 a larger policy splits the ranks: GAE runs on the critic's DP ranks and each token's advantage
-goes to both policy TP ranks over the host group (``step/routed_route.py``;
+goes to both policy TP ranks over the host group (``step/advantage_exchange.py``;
 ``python tools/bench_scale.py 2048 mixed``).
 
 Bookkeeping seconds = step time - generation - grading - sync - the model stub's own time
@@ -78,6 +78,7 @@ class StubRollout:
 
     def __init__(self, max_new: int) -> None:
         self.max_new = max_new
+        self.state = SimpleNamespace(asleep=False)
 
     def generate(self, prompt_ids, *, n, seed, **_):
         from bench_gae import response_lengths
@@ -155,12 +156,13 @@ class StubEngine:
         return {}
 
 
-def stub_session(samples: int, mixed: bool, host, run_dir: Path) -> SimpleNamespace:
-    """What ``run_step`` reads of a Session: the 32B recipe at ``samples`` per step, the stubs
+def stub_session(samples: int, mixed: bool, host, run_dir: Path):
+    """The ``StepContext`` ``run_step`` takes: the 32B recipe at ``samples`` per step, the stubs
     above (``mixed``: the policy TP2, the critic DP2), synthetic ~300-token prompts."""
     import torch.distributed as dist
 
     from vapo_megatron.config.recipe import load_recipe
+    from vapo_megatron.step.context import StepContext
 
     n = 16
     config = load_recipe(
@@ -177,15 +179,15 @@ def stub_session(samples: int, mixed: bool, host, run_dir: Path) -> SimpleNamesp
     ]
     rank, world = dist.get_rank(), dist.get_world_size()
     singles = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
-    return SimpleNamespace(
+    return StepContext(
         config=config, policy=StubEngine(host, tp2=mixed, singles=singles),
         critic=StubEngine(host),
-        rollout=StubRollout(config.rollout.max_new_tokens), rollout_synced=True,
+        rollout=StubRollout(config.rollout.max_new_tokens), weights_current=True,
         sampler=SimpleNamespace(next_indices=lambda count: list(range(count))),
-        train=SimpleNamespace(items=prompts),
+        train_prompts=prompts,
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: ""),
         stop_token_ids=[0], routing={}, replica=rank, num_replicas=world, host_group=host,
-        rank=rank, run_dir=run_dir, data_path=None,
+        rank=rank, run_dir=run_dir,
     )  # fmt: skip
 
 
@@ -201,10 +203,10 @@ def time_the_exchange() -> dict[str, float]:
     """Wraps ``AdvantageExchange`` (the routed path's only per-token traffic: the positions
     when it is made, the values in ``send``) to add its seconds and the tokens this rank
     sends to other ranks to the returned dict (reset per step by the caller)."""
-    from vapo_megatron.step import routed_route
+    from vapo_megatron.step import advantage_exchange
 
     spent = {"route": 0.0, "routed_tokens": 0.0}
-    cls = routed_route.AdvantageExchange
+    cls = advantage_exchange.AdvantageExchange
     make, send = cls.__init__, cls.send
 
     def timed_init(self, *args, **kwargs):

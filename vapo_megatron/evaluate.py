@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         open_rank_log(Path(config.trainer.run_dir) / "logs")
         session = EvalSession(config)
         try:
-            metrics = evaluate(session, 0)
+            metrics = evaluate(session.context, 0, session.eval.items)
         finally:
             session.close()
     except ValueError as err:

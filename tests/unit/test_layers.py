@@ -1,5 +1,5 @@
 """The packages' layer order, read from the source (docs/design.md "Where things live",
-/work/shared/STYLE.md items 12-13): no import circle between packages, and every import goes
+../shared/STYLE.md items 12-13): no import circle between packages, and every import goes
 down the layer order below, counting every import a module holds: at module level, inside a
 function and under ``if TYPE_CHECKING:`` alike (a type-only import still ties the packages).
 
@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer",),  # the run: loop, session, evaluation, metrics, preemption
     ("step", "tiny"),  # one training step; the tiny CPU task, its models and builders
     ("engine",),  # the model engine, training-state offload, host arena
-    ("weights",),  # Megatron <-> HF: record, gather, stream, files, conversion, sync, export
+    ("weights",),  # Megatron <-> HF: record, gather, stream, files, conversion, export
     ("checkpoint",),  # the model-checkpoint format and the training checkpoint
     ("models", "rollout", "data"),  # Megatron models; the vLLM engine; datasets and packing
     ("parallel",),  # process groups, collectives, context parallelism, devices
@@ -193,7 +193,6 @@ def test_every_node_has_a_layer():
     assert not missing, f"put each package in LAYERS (tests/unit/test_layers.py): {missing}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 41: the layout moves land next")
 def test_no_package_circle():
     graph: dict[str, set[str]] = {}
     for imp in IMPORTS:
@@ -211,7 +210,6 @@ def test_no_package_circle():
     assert not cycles, "package circles (move the shared part down):\n" + "\n".join(report)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 41: the layout moves land next")
 def test_imports_go_down_the_layers():
     allowed = {(importer, imported) for importer, imported, _ in ALLOWED}
     against = against_the_layers(IMPORTS)

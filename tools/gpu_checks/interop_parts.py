@@ -11,7 +11,7 @@ from gpu_checks.tiny import LOGIT_TOLERANCE, TOKEN_BUDGET
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.batching import FLAT_INDEX, build_samples, micro_batches
 from vapo_megatron.step.losses import logprob_scoring_fn
-from vapo_megatron.step.scoring import score_flat
+from vapo_megatron.step.outputs import score_flat
 from vapo_megatron.weights.stream import stream_plan, stream_policy_weights
 
 

@@ -14,7 +14,7 @@ fusion, else the local spec's SequentialMLP; ``MoESettings(token_dispatcher="all
   EP group (``transformer/moe/token_dispatcher.py``: ``tokens_per_expert`` first, then the
   permuted hidden states, and back after the experts). That is a collective per MoE layer and
   micro-batch, so both ranks run the same number of micro-batches (padded with an empty one,
-  as ``step/shard_route.py`` gives a rank without samples).
+  as ``step/scoring_pass.py`` gives a rank without samples).
 
 Each rank packs its own half of the check's step. EP 1 records its routes, EP 2 replays them
 (``moe_compare``); then the logits, every HF tensor's gradient this rank holds at EP 2 (dense

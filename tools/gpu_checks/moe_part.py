@@ -5,7 +5,7 @@ dispatcher, SequentialMLP experts of the local spec) on CUDA tensors without the
 (``parallel/moe_cpu_shim.py`` is applied on CPU only), q/k norms, and the project's
 ``RouterReplay`` with device tensors:
 
-1. the critic's scoring pass records its routes (``shard_route.score_share`` with
+1. the critic's scoring pass records its routes (``scoring_pass.score_share`` with
    ``critic.routing_replay``), cut into whole samples on the host (``step/critic_routes.py``);
 2. the policy replays those routes as engine routes (``ModelEngine.run`` with the ``ROUTES``
    field): every router call of its scoring forward uses exactly the given experts;
@@ -24,7 +24,6 @@ from gpu_checks.compare import max_change, param_snapshot
 from gpu_checks.context import Context
 from gpu_checks.frame import check
 from gpu_checks.tiny import OPTIM, SEED, TOKEN_BUDGET, random_hf_tensors
-from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.engine.model_engine import ModelEngine
@@ -34,8 +33,8 @@ from vapo_megatron.parallel.model_groups import build_model_groups
 from vapo_megatron.step.batching import ROUTES, build_samples, micro_batches
 from vapo_megatron.step.critic_routes import step_routes
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
-from vapo_megatron.step.scoring import StepInputs
-from vapo_megatron.step.shard_route import ScoringPass, score_share, step_share
+from vapo_megatron.step.outputs import StepInputs
+from vapo_megatron.step.scoring_pass import ScoringPass, score_share, step_share
 from vapo_megatron.weights.critic import critic_from_policy
 
 MOE_CONFIG = {
@@ -136,8 +135,8 @@ def moe(ctx: Context, numbers: dict) -> None:
     rewards = torch.tensor(step.rewards, dtype=torch.float32)
     side = score_share(
         [ScoringPass("old_values", critic, value_scoring_fn(), "values")], share,
-        StepInputs(prompts, responses, rewards, None), gae_algo=AlgoConfig(),
-        monte_carlo=False, token_budget=TOKEN_BUDGET, host_group=ctx.host,
+        StepInputs(prompts, responses, rewards, None), token_budget=TOKEN_BUDGET,
+        host_group=ctx.host,
     )  # fmt: skip
     check(sorted(side.routes) == list(range(count)), f"routes kept for {sorted(side.routes)}")
     layers, top_k = hf.num_layers, hf.moe_top_k

@@ -4,7 +4,7 @@
 the distributed optimizer, ``overlap_grad_reduce`` and ``overlap_param_gather``, and full
 recompute (block method). Here the tiny model is built that way (CP 1, world 1) from the
 same weights as the plain engines, and takes several steps through the step's own public
-functions: ``choose_path``, ``step_share``, ``RoutedRoute.score`` and
+functions: ``choose_path``, ``step_share``, ``OwnerPath.score`` and
 ``advantages_and_metrics`` (both models' scoring and GAE on this rank's samples),
 ``update_minibatch`` (critic then policy on micro-batches
 packed once), and ``gather_params`` as the weight sync calls it.
@@ -34,11 +34,11 @@ from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.parallel.devices import HOST
+from vapo_megatron.step.advantage_exchange import OwnerPath
 from vapo_megatron.step.advantages import advantages_and_metrics, logprob_gap_metrics
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
-from vapo_megatron.step.routed_route import RoutedRoute
-from vapo_megatron.step.scoring import StepInputs, StepModels, choose_path
-from vapo_megatron.step.shard_route import step_share
+from vapo_megatron.step.outputs import StepInputs, StepModels, choose_path
+from vapo_megatron.step.scoring_pass import step_share
 from vapo_megatron.step.updates import UpdateData, minibatch_indices, update_minibatch
 from vapo_megatron.weights.critic import critic_from_policy
 
@@ -122,7 +122,7 @@ def shard_step(ctx: Context, *, count_layer_calls: bool = False) -> dict:
         policy, critic, logprob_fn=logprob_scoring_fn(policy.vocab_slice, temperature=1.0),
         value_fn=value_scoring_fn(),
     )  # fmt: skip
-    route = RoutedRoute(models, {"policy": share, "critic": share}, ctx.host, path=choice)
+    route = OwnerPath(models, {"policy": share, "critic": share}, ctx.host, path=choice)
     inputs = StepInputs(prompts, responses, rewards, ctx.old_logprobs)
     scored = route.score(
         models, inputs, algo=ctx.algo, monte_carlo=False, token_budget=TOKEN_BUDGET
@@ -135,7 +135,7 @@ def shard_step(ctx: Context, *, count_layer_calls: bool = False) -> dict:
     data = UpdateData(
         prompts=prompts, responses=responses, fields=fields,
         positive=[reward > 0 for reward in step.rewards],
-        trainable_policy=[True] * len(token_counts), route=route,
+        trainable_policy=[True] * len(token_counts), path=route,
     )  # fmt: skip
     before = {"policy": param_snapshot(policy), "critic": param_snapshot(critic)}
     with count_calls(policy if count_layer_calls else None) as calls:

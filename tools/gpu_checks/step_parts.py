@@ -22,10 +22,10 @@ from vapo_megatron.parallel.model_groups import (
     seed_rng_tracker,
 )
 from vapo_megatron.step import advantages as adv
+from vapo_megatron.step.advantage_exchange import OwnerPath
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
-from vapo_megatron.step.routed_route import RoutedRoute
-from vapo_megatron.step.scoring import PathChoice, StepModels, TokenFields, score_flat
-from vapo_megatron.step.shard_route import step_share
+from vapo_megatron.step.outputs import PathChoice, StepModels, TokenFields, score_flat
+from vapo_megatron.step.scoring_pass import step_share
 from vapo_megatron.step.token_sums import TokenSums
 from vapo_megatron.step.updates import UpdateData, update_minibatch
 from vapo_megatron.trainer.session import init_distributed
@@ -139,7 +139,7 @@ def flat_update_data(ctx: Context, numbers: dict) -> UpdateData:
         fields=TokenFields(offsets[:-1].tolist(), arrays),
         positive=[reward > 0 for reward in step.rewards],
         trainable_policy=[True] * len(step.rewards),
-        route=RoutedRoute(
+        path=OwnerPath(
             StepModels(ctx.policy, ctx.critic), {"policy": share, "critic": share}, None,
             path=PathChoice("shards", "one GPU: one DP rank holds every sample"),
         ),

@@ -219,13 +219,13 @@ def check_gae_path(gae_path: object) -> None:
     if gae_path in (None, "auto"):
         logging.getLogger("vapo_megatron").warning(
             "trainer.gae_path is deprecated and ignored: every step takes the routed path "
-            "(step/routed_route.py); delete the key"
+            "(step/advantage_exchange.py); delete the key"
         )
         return
     raise ValueError(
         f"trainer.gae_path={gae_path!r}: the setting was removed (issue 28); every step takes "
         "one routed path (each model trains on its own DP ranks' samples, the critic's "
-        "advantages go to the policy's; step/routed_route.py) and the flat path is gone; "
+        "advantages go to the policy's; step/advantage_exchange.py) and the flat path is gone; "
         "delete trainer.gae_path from the recipe"
     )
 

@@ -215,7 +215,7 @@ def pack(
     With ``pad_each`` every sequence is padded to that whole multiple instead, so no sequence
     is lengthened for the row: a sequence's CP chunks then depend on its own length alone and
     are the same in every micro-batch it is packed into (the layout-coupled step relies on it,
-    ``step/shard_route.py``).
+    ``step/scoring_pass.py``).
     """
     names = _check(samples)
     n_prompt = [_length(s.prompt) for s in samples]

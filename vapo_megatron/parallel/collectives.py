@@ -124,7 +124,7 @@ def all_to_all_varlen(
     The lengths go first (an all-to-all of one int64 per rank), then one
     ``all_to_all_single`` with uneven splits (gloo and NCCL both take it): each byte goes only
     to the rank it is for, unlike :func:`all_gather_varlen`. Used over the host group by the
-    step's routed outputs (``step/routed_route.py``).
+    step's routed outputs (``step/advantage_exchange.py``).
     """
     world = dist.get_world_size(group)
     if len(pieces) != world:
@@ -142,7 +142,7 @@ def all_to_all_flat(
     """:func:`all_to_all_varlen` of pieces the caller has laid end to end in ``x`` (1-D): the
     first ``sizes[0]`` elements go to group rank 0, the next ``sizes[1]`` to rank 1, and so on.
     Lets a caller write its pieces straight into one send buffer instead of making each piece
-    and then a concatenated copy of them (the routed advantages, ``step/routed_route.py``).
+    and then a concatenated copy of them (the routed advantages, ``step/advantage_exchange.py``).
     Returns views of one receive buffer, one per rank, in rank order."""
     world = dist.get_world_size(group)
     if len(sizes) != world or sum(sizes) != x.numel() or x.dim() != 1:

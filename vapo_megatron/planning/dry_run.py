@@ -21,12 +21,12 @@ allocated. The figures are then read from the built objects:
   fake backend that strategy's metadata exchange (``all_gather_object``) returns nothing,
   so each peer of the group is built as well and its shard list handed in as the exchange
   would have: the plan is megatron's own, computed on the peers' real shard lists;
-- **data**: the data path a VAPO step takes at this rank (``scoring.choose_path`` on the
+- **data**: the data path a VAPO step takes at this rank (``outputs.choose_path`` on the
   built engines: "shards" on one layout, "routed" where the critic's advantages go to the
   policy's owners) and the model's share of a synthetic step of the recipe's shape
   (prompts_per_step x samples_per_prompt samples, seeded lengths up to
   data.max_prompt_tokens + rollout.max_new_tokens): the samples its DP rank owns for the
-  step (``shard_route.step_share`` over that model's DP size), and its micro-batches
+  step (``scoring_pass.step_share`` over that model's DP size), and its micro-batches
   (``batching.plan_micro_batches``).
 
 Beside each byte figure stands the planner's (``planning/memory.py``, what
@@ -114,7 +114,7 @@ class RankReport:
     replica_prompts: int
     """Prompts of the step that replica generates."""
     data_path: str = ""
-    """Whether per-token outputs cross ranks (``scoring.choose_path``): "shards" or "routed",
+    """Whether per-token outputs cross ranks (``outputs.choose_path``): "shards" or "routed",
     with the reason."""
     models: list[ModelFigures] = field(default_factory=list)
 
@@ -326,9 +326,9 @@ def synthetic_token_counts(config: TrainConfig) -> list[int]:
 
 
 def data_path(config: TrainConfig, engines: dict) -> tuple[str, str]:
-    """(path, reason) a VAPO step takes at this rank (``scoring.choose_path`` on the built
+    """(path, reason) a VAPO step takes at this rank (``outputs.choose_path`` on the built
     engines; the agreement over ranks is a no-op under the fake backend)."""
-    from vapo_megatron.step.scoring import choose_path
+    from vapo_megatron.step.outputs import choose_path
 
     scorers = [engines[role] for role in _roles(config)]
     choice = choose_path(scorers, host_group=dist.group.WORLD)
@@ -341,7 +341,7 @@ def _data_share(config: TrainConfig, engine, counts: list[int], path: str) -> di
     not change it)."""
     from vapo_megatron.data.packing import Sample
     from vapo_megatron.step.batching import plan_micro_batches
-    from vapo_megatron.step.shard_route import step_share
+    from vapo_megatron.step.scoring_pass import step_share
     from vapo_megatron.step.updates import minibatch_indices
 
     num_minibatches = max(1, len(counts) // config.trainer.mini_batch_size)

@@ -1,5 +1,5 @@
 """Step 6: rewards and the critic's values of the tokens a rank holds -> advantages, critic
-targets and the step's statistics, on the critic's owners (``step/routed_route.py``).
+targets and the step's statistics, on the critic's owners (``step/advantage_exchange.py``).
 
 The reward sits at each response's last token (the state after it is terminal, value 0); GAE
 uses lambda_policy(l) per sequence for advantages and lambda_critic for returns; critic
@@ -27,7 +27,7 @@ from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.parallel.cp_gae import gae_context_parallel_packed
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.batching import FLAT_INDEX
-from vapo_megatron.step.scoring import Scored, Side, StepInputs, TokenFields
+from vapo_megatron.step.outputs import Scored, Side, StepInputs, TokenFields
 from vapo_megatron.step.token_sums import (
     TokenSums,
     critic_metrics,
@@ -180,6 +180,35 @@ def gae_on_cp_shards(
     return advantages, returns, lam_policy
 
 
+class CriticShardGae:
+    """Row 6 where row 5 leaves the critic's values on context-parallel shards (CP without a
+    pipeline, ``step/scoring_pass.py``): the scoring pass hands each chunk's values here as they
+    come out, and this runs ``gae_on_cp_shards`` on them (the scan and the CP carry live here,
+    not in the scoring pass). ``names``: the per-token outputs it gives (critic pretraining's
+    Monte-Carlo targets have no advantages)."""
+
+    def __init__(self, algo: AlgoConfig, inputs: StepInputs, *, monte_carlo: bool) -> None:
+        self.algo = monte_carlo_config() if monte_carlo else algo
+        self.rewards, self.offsets = inputs.rewards, inputs.responses.offsets
+        self.names = ["returns"] if monte_carlo else ["returns", "advantages"]
+
+    def __call__(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        sample_ids: Sequence[int],
+        values: Sequence[torch.Tensor],
+        cp_group: dist.ProcessGroup | None,
+    ) -> dict[str, list[torch.Tensor]]:
+        """name -> per micro-batch [t_local] float32 outputs of ``names`` (collective over
+        ``cp_group``)."""
+        ids = torch.tensor(list(sample_ids), dtype=torch.long, device=HOST)
+        advantages, returns, _ = gae_on_cp_shards(
+            self.algo, micro_batches, values, ids, self.rewards, self.offsets, cp_group
+        )
+        out = {"returns": returns, "advantages": advantages}
+        return {name: out[name] for name in self.names}
+
+
 def advantages_and_metrics(
     algo: AlgoConfig,
     scored: Scored,
@@ -191,8 +220,8 @@ def advantages_and_metrics(
     """Advantages and returns of the tokens ``scored`` holds, and the step's statistics.
 
     With the critic: on its side, GAE (``monte_carlo``: critic pretraining's Monte-Carlo
-    returns, no advantages) where the held values are whole sequences (else the route ran it
-    on the CP shards), whitening (``whiten_advantages``: zero mean, unit std over the step),
+    returns, no advantages) where the held values are whole sequences (else ``CriticShardGae``
+    ran it on the CP shards during the scoring pass), whitening (``whiten_advantages``: zero mean, unit std over the step),
     then the advantages handed to the policy's side (``scored.to_policy``); without it: the
     group estimator on the policy's side. Returns the per-token fields the updates read and
     the metrics (global: the same on every rank). Collective over the sums' group."""

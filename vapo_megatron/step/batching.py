@@ -33,7 +33,7 @@ from vapo_megatron.parallel.devices import HOST
 
 FLAT_INDEX = "flat_index"
 LOCAL_INDEX = "local_index"
-"""Position of a response token in this rank's own buffers (``step/shard_route.py``)."""
+"""Position of a response token in this rank's own buffers (``step/scoring_pass.py``)."""
 # ROUTES (``models/router_replay.py``): the engine's routed experts (routing replay). In a
 # ``Sample``'s fields: int16 [prompt + response - 1, layers, top_k], one row per *input
 # position* (not label-aligned); in a packed micro-batch: [1, t, layers, top_k] over the row's

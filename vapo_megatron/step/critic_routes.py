@@ -16,7 +16,7 @@ samples: sample i keeps [prompt + response, len(layers), top_k] int16 on the hos
 rank's layers (``ModelRouterReplay.layers``: under PP its stage's; no other stage's, which this
 rank never replays). Samples stay with the
 critic's DP rank that scored them, which is the rank that trains on them
-(``shard_route.step_share``). They reach the update's micro-batches as the engine's routes
+(``scoring_pass.step_share``). They reach the update's micro-batches as the engine's routes
 reach the policy's (``batching.route_row``, ``ModelRouterReplay.set_micro_batch_routes``).
 
 Host memory: the critic's DP share of the step's tokens x its stage's layers x top_k x 2

@@ -31,7 +31,7 @@ from vapo_megatron.step.rollout_store import load_rollouts, save_rollouts
 from vapo_megatron.step.trajectories import META_FIELDS, Trajectories, concat, group_samples
 
 if TYPE_CHECKING:
-    from vapo_megatron.trainer.session import Session
+    from vapo_megatron.step.context import StepContext
 
 
 @dataclass
@@ -249,51 +249,51 @@ def varied_groups(acc: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def step_rollouts(
-    session: Session, step: int, *, pretrain: bool, pretrain_index: int
+    ctx: StepContext, step: int, *, pretrain: bool, pretrain_index: int
 ) -> tuple[Trajectories, RolloutStats]:
     """The step's graded trajectories: sampled from the policy (dynamic sampling decides on
     accuracy, not the shaped score), or, in critic pretraining with
     critic_pretrain.offline_rollouts, read from an earlier run's saved rollouts. The engine
     sleeps afterwards (training takes the device)."""
-    cfg = session.config
+    cfg = ctx.config
     offline = cfg.critic_pretrain.offline_rollouts if pretrain else None
     if offline:  # fit the critic to rollouts saved by an earlier run
         trajectories, stats = load_rollouts(offline, pretrain_index), RolloutStats()
     else:
         dynamic = cfg.algorithm.dynamic_sampling and not pretrain
-        trajectories, stats = collect_rollouts(session, step, dynamic=dynamic)
-    if pretrain and cfg.critic_pretrain.save_rollouts and session.rank == 0:
-        save_rollouts(session.run_dir / "rollouts", pretrain_index, trajectories)
-    session.rollout.sleep()
+        trajectories, stats = collect_rollouts(ctx, step, dynamic=dynamic)
+    if pretrain and cfg.critic_pretrain.save_rollouts and ctx.rank == 0:
+        save_rollouts(ctx.run_dir / "rollouts", pretrain_index, trajectories)
+    ctx.rollout.sleep()
     return trajectories, stats
 
 
 def collect_rollouts(
-    session: Session, step: int, *, dynamic: bool
+    ctx: StepContext, step: int, *, dynamic: bool
 ) -> tuple[Trajectories, RolloutStats]:
     """The step's graded trajectories, group by group; with ``dynamic``, only groups whose
     accuracies differ, sampling up to trainer.max_sampling_rounds rounds to fill the step."""
-    cfg = session.config
+    cfg = ctx.config
     algo, rollout = cfg.algorithm, cfg.rollout
     n = algo.samples_per_prompt
     stats = RolloutStats()
     kept: list[Trajectories] = []  # whole groups, in order
     num_kept = 0
     # Routing replay: the engine's routes stay where they were generated (engine_routes.py).
-    route_shape = getattr(session.rollout, "route_shape", None)  # test doubles have none
+    route_shape = getattr(ctx.rollout, "route_shape", None)  # test doubles have none
     route_store = RouteStore(route_shape) if route_shape is not None else None
     rounds = cfg.trainer.max_sampling_rounds if dynamic else 1
     for round_ in range(rounds):
-        indices = session.sampler.next_indices(algo.prompts_per_step)
-        prompts = [session.train.items[i] for i in indices]
+        indices = ctx.sampler.next_indices(algo.prompts_per_step)
+        prompts = [ctx.train_prompts[i] for i in indices]
         trajectories = generate_and_grade(
-            session.rollout, session.tokenizer, prompts, n=n, temperature=rollout.temperature,
+            ctx.rollout, ctx.tokenizer, prompts, n=n, temperature=rollout.temperature,
             top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
-            stop_token_ids=session.stop_token_ids,
-            seed=sampling_seed(cfg.trainer.seed, step, round_, session.replica),
-            routing=session.routing, grader_timeout_s=cfg.reward.timeout_s, stats=stats,
-            replica=session.replica, num_replicas=session.num_replicas,
-            host_group=session.host_group, route_store=route_store,
+            stop_token_ids=ctx.stop_token_ids,
+            seed=sampling_seed(cfg.trainer.seed, step, round_, ctx.replica),
+            routing=ctx.routing, grader_timeout_s=cfg.reward.timeout_s, stats=stats,
+            replica=ctx.replica, num_replicas=ctx.num_replicas,
+            host_group=ctx.host_group, route_store=route_store,
         )  # fmt: skip
         stats.rounds += 1
         stats.groups_sampled += len(prompts)

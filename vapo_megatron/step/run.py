@@ -12,69 +12,67 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vapo_megatron.step.advantage_exchange import OwnerPath
 from vapo_megatron.step.advantages import advantages_and_metrics, logprob_gap_metrics
 from vapo_megatron.step.critic_routes import step_routes as critic_step_routes
 from vapo_megatron.step.engine_routes import routes_to_owners
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
-from vapo_megatron.step.rollout import rollout_metrics, step_rollouts
-from vapo_megatron.step.routed_route import RoutedRoute
-from vapo_megatron.step.scoring import (
-    OutputRoute,
+from vapo_megatron.step.outputs import (
+    OutputPath,
     Scored,
     StepInputs,
     StepModels,
     TokenFields,
     choose_path,
 )
-from vapo_megatron.step.shard_route import step_share
+from vapo_megatron.step.rollout import rollout_metrics, step_rollouts
+from vapo_megatron.step.scoring_pass import step_share
 from vapo_megatron.step.timing import Timer
 from vapo_megatron.step.trajectories import Trajectories
 from vapo_megatron.step.updates import UpdateData, epoch_minibatches, run_updates
 from vapo_megatron.step.weight_sync import sync_weights
 
 if TYPE_CHECKING:
-    from vapo_megatron.trainer.session import Session
+    from vapo_megatron.step.context import StepContext
 
 logger = logging.getLogger("vapo_megatron")
 
 
 def run_step(
-    session: Session, step: int, *, pretrain: bool, pretrain_index: int = 0
+    ctx: StepContext, step: int, *, pretrain: bool, pretrain_index: int = 0
 ) -> dict[str, float]:
     """One step: VAPO (``pretrain=False``) or critic pretraining (frozen policy, Monte-Carlo
     returns, critic updates only; ``pretrain_index`` counts its steps from 1). ``step`` keys
     the step's seeds. Returns the step's metrics (the same on every rank)."""
-    cfg = session.config
+    cfg = ctx.config
     label = f"critic pretraining step {pretrain_index}" if pretrain else f"step {step}"
-    models = step_models(session, pretrain=pretrain)
-    timer = Timer([e for e in (session.policy, session.critic) if e is not None])
+    models = step_models(ctx, pretrain=pretrain)
+    timer = Timer([e for e in (ctx.policy, ctx.critic) if e is not None])
     metrics: dict[str, float] = {}
     # 1-2. Prompts are drawn by the rollout; the weight sync first (the policy is frozen
     # during critic pretraining: once is enough).
-    if not (pretrain and session.rollout_synced):
-        metrics.update(sync_weights(session))
-        session.rollout_synced = True
+    if not (pretrain and ctx.rollout_synced):
+        metrics.update(sync_weights(ctx))
+        ctx.weights_current = True
     timer.lap("sync")
     # 3-4. Rollout and reward.
-    trajectories, stats = step_rollouts(
-        session, step, pretrain=pretrain, pretrain_index=pretrain_index
-    )
+    trajectories, stats = step_rollouts(ctx, step, pretrain=pretrain, pretrain_index=pretrain_index)
     timer.lap_rollout(stats)
     metrics.update(rollout_metrics(trajectories, stats, cfg.rollout.max_new_tokens))
     if not len(trajectories):
         logger.warning("%s: no trajectories to train on (all groups filtered)", label)
         metrics["skipped_step"] = 1.0
         return metrics
-    # 5. Scoring pass (old log-probs at the sampling temperature, values), on the route that
-    # brings each token's outputs to the rank that trains on it (step/scoring.py).
-    route = output_route(session, models, trajectories, step, label=label)
-    metrics["data/shard_path"] = float(route.name == "shards")
-    policy_routes = engine_routes(session, models, trajectories, route)
+    # 5. Scoring pass (old log-probs at the sampling temperature, values), on the path that
+    # brings each token's outputs to the rank that trains on it (step/outputs.py).
+    path = output_path(ctx, models, trajectories, step, label=label)
+    metrics["data/shard_path"] = float(path.name == "shards")
+    policy_routes = engine_routes(ctx, models, trajectories, path)
     inputs = StepInputs(
         trajectories.prompts, trajectories.responses, trajectories.reward,
         trajectories.rollout_logprobs, routes=policy_routes,
     )  # fmt: skip
-    scored = route.score(
+    scored = path.score(
         models, inputs, algo=cfg.algorithm, monte_carlo=pretrain,
         token_budget=cfg.trainer.micro_batch_tokens,
     )  # fmt: skip
@@ -95,7 +93,7 @@ def run_step(
     critic_routes = scored_critic_routes(scored, models, len(trajectories))
     metrics.update(
         update_models(
-            session, models, trajectories, fields, route, step, timer,
+            ctx, models, trajectories, fields, path, step, timer,
             policy_routes=policy_routes, critic_routes=critic_routes,
         )
     )  # fmt: skip
@@ -105,35 +103,35 @@ def run_step(
     return metrics
 
 
-def step_models(session: Session, *, pretrain: bool) -> StepModels:
+def step_models(ctx: StepContext, *, pretrain: bool) -> StepModels:
     """The models that score and train: the critic alone in critic pretraining, the policy
     (and the critic, where the algorithm uses one) otherwise."""
-    critic = session.critic if session.config.algorithm.uses_critic else None
-    policy = None if pretrain else session.policy
+    critic = ctx.critic if ctx.config.algorithm.uses_critic else None
+    policy = None if pretrain else ctx.policy
     logprob_fn = None
     if policy is not None:  # log-probs at the sampling temperature
-        temperature = session.config.rollout.temperature
+        temperature = ctx.config.rollout.temperature
         logprob_fn = logprob_scoring_fn(policy.vocab_slice, temperature=temperature)
     return StepModels(policy, critic, logprob_fn=logprob_fn, value_fn=value_scoring_fn())
 
 
-def output_route(
-    session: Session, models: StepModels, trajectories: Trajectories, step: int, *, label: str
-) -> OutputRoute:
+def output_path(
+    ctx: StepContext, models: StepModels, trajectories: Trajectories, step: int, *, label: str
+) -> OutputPath:
     """Each scoring model's DP ranks own the first epoch's share of each mini-batch for the
     whole step (split by tokens over that model's DP size); where the two models' owners
-    differ the critic's advantages are routed to the policy's (``step/routed_route.py``).
-    Logged (as ``label``, the step the user sees) when the path changes (``session.data_path``). Collective over the host group."""
-    cfg = session.config
+    differ the critic's advantages are routed to the policy's (``step/advantage_exchange.py``).
+    Logged (as ``label``, the step the user sees) when the path changes (``ctx.data_path``). Collective over the host group."""
+    cfg = ctx.config
     scorers = models.scorers()
-    choice = choose_path(scorers, host_group=session.host_group)
-    if session.data_path != choice.name:
+    choice = choose_path(scorers, host_group=ctx.host_group)
+    if ctx.data_path != choice.name:
         logger.info("%s: per-token outputs on the %s path: %s", label, choice.name, choice.reason)
-        session.data_path = choice.name
+        ctx.data_path = choice.name
     responses = trajectories.responses
     token_counts = (trajectories.prompts.lengths() + responses.lengths()).tolist()
     parts = epoch_minibatches(
-        len(trajectories), _num_minibatches(session), seed=cfg.trainer.seed, step=step, epoch=0
+        len(trajectories), _num_minibatches(ctx), seed=cfg.trainer.seed, step=step, epoch=0
     )
     lengths = responses.lengths()
     shares = {
@@ -141,15 +139,15 @@ def output_route(
         for role, e in (("policy", models.policy), ("critic", models.critic))
         if e is not None
     }
-    return RoutedRoute(models, shares, session.host_group, path=choice)
+    return OwnerPath(models, shares, ctx.host_group, path=choice)
 
 
 def update_models(
-    session: Session,
+    ctx: StepContext,
     models: StepModels,
     trajectories: Trajectories,
     fields: TokenFields,
-    route: OutputRoute,
+    path: OutputPath,
     step: int,
     timer: Timer,
     *,
@@ -160,7 +158,7 @@ def update_models(
     stale once the policy has moved. ``policy_routes``: the engine's routes of this rank's
     policy samples (``engine_routes``); ``critic_routes``: an MoE critic's routes of its
     scoring pass, replayed in its updates (``step/critic_routes.py``)."""
-    cfg = session.config
+    cfg = ctx.config
     data = UpdateData(
         prompts=trajectories.prompts, responses=trajectories.responses, fields=fields,
         positive=(trajectories.acc > 0).tolist(),
@@ -169,11 +167,11 @@ def update_models(
             if cfg.reward.overlong_filter
             else [True] * len(trajectories)
         ),
-        route=route, rollout_logprobs=trajectories.rollout_logprobs,
+        path=path, rollout_logprobs=trajectories.rollout_logprobs,
         correction=cfg.algorithm.rollout_correction, routes=policy_routes,
         critic_routes=critic_routes,
     )  # fmt: skip
-    num_minibatches = _num_minibatches(session)
+    num_minibatches = _num_minibatches(ctx)
     metrics = run_updates(
         data,
         lambda epoch: epoch_minibatches(
@@ -184,7 +182,7 @@ def update_models(
         token_budget=cfg.trainer.micro_batch_tokens, timer=timer,
     )  # fmt: skip
     if any(name.startswith("policy/") for name in metrics):  # the policy took a step
-        session.rollout_synced = False
+        ctx.weights_current = False
     return metrics
 
 
@@ -200,7 +198,7 @@ def scored_critic_routes(
 
 
 def engine_routes(
-    session: Session, models: StepModels, trajectories: Trajectories, route: OutputRoute
+    ctx: StepContext, models: StepModels, trajectories: Trajectories, path: OutputPath
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Routing replay of the policy: the engine's routes of the samples this rank's policy
     owns, sent from the ranks that generated them (``step/engine_routes.py``; collective over
@@ -209,8 +207,8 @@ def engine_routes(
         return None
     return routes_to_owners(
         trajectories.route_at, trajectories.route_offsets().diff(), trajectories.route_store,
-        route.shares["policy"].owners, models.policy.dp_rank, models.policy.router_replay.layers,
-        session.host_group,
+        path.shares["policy"].owners, models.policy.dp_rank, models.policy.router_replay.layers,
+        ctx.host_group,
     )  # fmt: skip
 
 
@@ -226,6 +224,6 @@ def warn_on_logprob_gap(metrics: dict[str, float], label: str, limit: float) -> 
         )  # fmt: skip
 
 
-def _num_minibatches(session: Session) -> int:
-    cfg = session.config
+def _num_minibatches(ctx: StepContext) -> int:
+    cfg = ctx.config
     return max(1, cfg.samples_per_step // cfg.trainer.mini_batch_size)

@@ -1,7 +1,7 @@
 """float64 statistics over the step's response tokens wherever they are held.
 
-A rank holds some samples' per-token outputs (``HeldTokens``: the whole step on the flat route,
-its own samples on the shard route) and counts some of those tokens (each token once over the
+A rank holds some samples' per-token outputs (``HeldTokens``: its own samples, or the whole
+step in a reference scorer) and counts some of those tokens (each token once over the
 job); ``TokenSums`` sums over the counted tokens and all-reduces the sums over the host group.
 The step's statistics (log-prob gap, explained variance, value and return means over all
 tokens and at each response's first token, the whitening's and the advantages' mean and std)

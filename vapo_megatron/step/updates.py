@@ -2,7 +2,7 @@
 
 The step's samples are cut into seeded mini-batches per PPO epoch (``minibatch_indices``);
 each model's data-parallel rank trains on the samples whose fields it holds
-(``OutputRoute.mine``). The model's data-parallel rank packs its share; the loss normalisers (response tokens,
+(``OutputPath.mine``). The model's data-parallel rank packs its share; the loss normalisers (response tokens,
 sequences, tokens of correct responses) are counted over all its micro-batches and reduced
 over the model's data x context group *before* the backward pass, so the update equals the
 single-device update of the whole mini-batch for any split (``parallel/reductions.py``).
@@ -33,7 +33,7 @@ from vapo_megatron.step.batching import (
     micro_batches,
 )
 from vapo_megatron.step.losses import policy_loss_fn, value_loss_fn
-from vapo_megatron.step.scoring import OutputRoute, TokenFields
+from vapo_megatron.step.outputs import OutputPath, TokenFields
 from vapo_megatron.step.timing import Timer
 
 CRITIC_FIELDS = ["returns", "old_values"]
@@ -70,7 +70,7 @@ class UpdateData:
     """[S] correct responses (the positive-example LM loss)."""
     trainable_policy: list[bool]
     """[S] samples the policy trains on (False: filtered as overlong)."""
-    route: OutputRoute
+    path: OutputPath
     """Which samples' fields each rank holds, and so trains on."""
     rollout_logprobs: torch.Tensor | None = None
     """[N] float32 vLLM's log-probs by the responses' offsets (the rollout correction's input)."""
@@ -185,11 +185,11 @@ def update_minibatch(
     model takes no update (critic pretraining; no critic). Returns (critic metrics, policy
     metrics), None for a model that took no step (the same on every rank). Collective over
     each model's groups."""
-    critic_ids = data.route.mine(critic, chosen) if critic is not None else None
+    critic_ids = data.path.mine(critic, chosen) if critic is not None else None
     trainable = [i for i in chosen if data.trainable_policy[i]] if policy is not None else []
-    policy_ids = data.route.mine(policy, trainable) if trainable else None
+    policy_ids = data.path.mine(policy, trainable) if trainable else None
     packed = None
-    one_pack = data.route.packs_once and data.critic_routes is None
+    one_pack = data.path.packs_once and data.critic_routes is None
     if one_pack and critic_ids is not None and policy_ids == critic_ids:
         # One layout, the same samples: pack once for both models (unless the critic replays
         # routes of its own: one ROUTES field per micro-batch).

@@ -12,21 +12,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vapo_megatron.engine.model_engine import ModelEngine
     from vapo_megatron.rollout.engine import RolloutEngine, WeightUpdateStats
-    from vapo_megatron.trainer.session import Session
+    from vapo_megatron.step.context import StepContext
     from vapo_megatron.weights.gather import GatherBuffers
 
 
-def sync_weights(session: Session) -> dict[str, float]:
+def sync_weights(ctx: StepContext) -> dict[str, float]:
     """Stream the policy's weights into the rollout engine replicas (``push_policy_weights``).
 
     The engine's weights are woken first and its KV cache after, so the buckets in flight never
     share the device with the KV cache (the engine raises on any other order). On CPU vLLM has
     no sleep mode: only the order is checked."""
-    session.rollout.wake_up(["weights"])
+    ctx.rollout.wake_up(["weights"])
     stats = push_policy_weights(
-        session.policy, session.rollout, bucket_bytes=session.config.rollout.weight_bucket_bytes
+        ctx.policy, ctx.rollout, bucket_bytes=ctx.config.rollout.weight_bucket_bytes
     )
-    session.rollout.wake_up(["kv_cache"])
+    ctx.rollout.wake_up(["kv_cache"])
     return {"sync/gb": stats.num_bytes / 1e9, "sync/buckets": stats.num_buckets}
 
 

@@ -10,34 +10,36 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from vapo_megatron.step.context import StepContext
 from vapo_megatron.step.rollout import RolloutStats, generate_and_grade, sampling_seed
 
 EVAL_SEED_OFFSET = 7_777_777
 
 
-def evaluate(session, step: int, prompts: Sequence | None = None) -> dict[str, float]:
-    """avg@k, pass@k, mean response length and grader failures on the eval set (every rank)."""
-    cfg = session.config
+def evaluate(ctx: StepContext, step: int, prompts: Sequence) -> dict[str, float]:
+    """avg@k, pass@k, mean response length and grader failures on ``prompts`` (the eval set's
+    items; every rank), with the engine synced to the policy first where it is stale."""
+    cfg = ctx.config
     ev = cfg.eval
-    items = list(prompts if prompts is not None else session.eval.items)
+    items = list(prompts)
     if ev.max_prompts is not None:
         items = items[: ev.max_prompts]
-    if not session.rollout_synced:
+    if not ctx.rollout_synced:
         from vapo_megatron.step.weight_sync import sync_weights
 
-        sync_weights(session)
-        session.rollout_synced = True
+        sync_weights(ctx)
+        ctx.weights_current = True
     stats = RolloutStats()
     trajectories = generate_and_grade(
-        session.rollout, session.tokenizer, items, n=ev.k, temperature=ev.temperature,
+        ctx.rollout, ctx.tokenizer, items, n=ev.k, temperature=ev.temperature,
         top_p=ev.top_p, max_new_tokens=ev.max_new_tokens or cfg.rollout.max_new_tokens,
-        stop_token_ids=session.stop_token_ids,
-        seed=sampling_seed(cfg.trainer.seed + EVAL_SEED_OFFSET, step, 0, session.replica),
-        routing=session.routing, grader_timeout_s=cfg.reward.timeout_s, stats=stats,
-        replica=session.replica, num_replicas=session.num_replicas,
-        host_group=session.host_group,
+        stop_token_ids=ctx.stop_token_ids,
+        seed=sampling_seed(cfg.trainer.seed + EVAL_SEED_OFFSET, step, 0, ctx.replica),
+        routing=ctx.routing, grader_timeout_s=cfg.reward.timeout_s, stats=stats,
+        replica=ctx.replica, num_replicas=ctx.num_replicas,
+        host_group=ctx.host_group,
     )  # fmt: skip
-    session.rollout.sleep()
+    ctx.rollout.sleep()
     k = ev.k
     per_prompt = trajectories.acc.view(-1, k).mean(1)  # [prompts] float64
     num_groups = per_prompt.numel()
@@ -86,9 +88,14 @@ class EvalSession:
             config, config.data.eval_path, self.tokenizer, self.routing
         )
         self.rollout = train_session.start_rollout(config, self.rank)
-        self.rollout_synced = True  # the engine loaded model.path itself
         self.replica = self.rank // config.rollout.tensor_parallel_size
         self.num_replicas = self.world_size // config.rollout.tensor_parallel_size
+        self.context = StepContext(
+            config=config, rollout=self.rollout, tokenizer=self.tokenizer,
+            stop_token_ids=self.stop_token_ids, routing=self.routing, host_group=self.host_group,
+            rank=self.rank, replica=self.replica, num_replicas=self.num_replicas,
+            weights_current=True,  # the engine loaded model.path itself
+        )  # fmt: skip
 
     def close(self) -> None:
         import torch.distributed as dist

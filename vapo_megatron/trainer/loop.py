@@ -129,7 +129,9 @@ def _pretrain_critic(run: Run, metrics_log: MetricsLogger, flag: PreemptionFlag)
     while True:
         run.before_step()
         step = run.state["pretrain_step"] + 1
-        metrics = run_step(session, PRETRAIN_SEED_KEY + step, pretrain=True, pretrain_index=step)
+        metrics = run_step(
+            session.context, PRETRAIN_SEED_KEY + step, pretrain=True, pretrain_index=step
+        )
         run.state["pretrain_step"] = step
         metrics_log.log(step, metrics, phase="critic_pretrain")
         if run.stop_rule.update(step, metrics.get("critic/explained_variance", float("nan"))):
@@ -175,7 +177,7 @@ def _vapo_step(run: Run, metrics_log: MetricsLogger, flag: PreemptionFlag) -> bo
     the run (checkpoint saved)."""
     run.before_step()
     step = run.state["step"] + 1
-    metrics = run_step(run.session, step, pretrain=False)
+    metrics = run_step(run.session.context, step, pretrain=False)
     run.state["step"] = step
     metrics_log.log(step, metrics, phase="train")
     preempted = flag.should_save(run.session.host_group)
@@ -198,7 +200,7 @@ class Evaluations:
     def run(self, step: int) -> dict[str, float] | None:
         if self.session.eval is None:
             return None
-        metrics = evaluate(self.session, step)
+        metrics = evaluate(self.session.context, step, self.session.eval.items)
         self.metrics_log.log(step, metrics, phase="eval")
         self.last = (step, metrics)
         return metrics
@@ -341,5 +343,5 @@ class Run:
         self.session.sampler.load_state_dict(extra["sampler"])
         if self.stop_rule is not None and extra["stop_rule"] is not None:
             self.stop_rule.load_state_dict(extra["stop_rule"])
-        self.session.rollout_synced = False
+        self.session.context.weights_current = False
         return True

@@ -42,6 +42,7 @@ from vapo_megatron.parallel.model_groups import (
 )
 from vapo_megatron.rewards.registry import check_data_sources, resolve_routing
 from vapo_megatron.run_log import native_stderr_to_rank_log
+from vapo_megatron.step.context import StepContext
 from vapo_megatron.weights import hf_io
 from vapo_megatron.weights.critic import (
     check_critic_model,
@@ -184,10 +185,14 @@ class Session:
         self._read_data()
         self._build_models()
         self.rollout = self._start_rollout()
-        self.rollout_synced = False
-        """Whether the engine holds the policy's current weights."""
-        self.data_path: str | None = None
-        """The route of the last step's per-token outputs ("shards"/"routed"), logged when it changes."""
+        self.context = StepContext(
+            config=config, rollout=self.rollout, tokenizer=self.tokenizer,
+            stop_token_ids=self.stop_token_ids, routing=self.routing, host_group=self.host_group,
+            rank=self.rank, replica=self.replica, num_replicas=self.num_replicas,
+            policy=self.policy, critic=self.critic, sampler=self.sampler,
+            train_prompts=self.train.items, run_dir=run_dir,
+        )  # fmt: skip
+        """What the step and evaluation use of the run (and the engine's staleness)."""
 
     def _read_data(self) -> None:
         """The tokenizer and stop tokens, the graders, the prompt sets and the train sampler."""
@@ -318,17 +323,6 @@ class Session:
         if offload is not None:
             engine.sleep()
         return engine
-
-    @property
-    def rollout_synced(self) -> bool:
-        """Whether the engine holds the policy's current weights *and* is awake to use them. A
-        sleeping engine reads as not synced, so the next rollout goes through sync_weights,
-        which wakes it in the right order (the engine refuses to generate while asleep)."""
-        return self._rollout_synced and not self.rollout.state.asleep
-
-    @rollout_synced.setter
-    def rollout_synced(self, value: bool) -> None:
-        self._rollout_synced = value
 
     @property
     def num_replicas(self) -> int:

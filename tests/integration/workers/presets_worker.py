@@ -31,8 +31,8 @@ def main(recipe: str, overrides: list[str]) -> None:
             base, prompts_per_step=16 // n, samples_per_prompt=n,
             overlong_buffer_len=None if base.overlong_buffer_len is None else 32,
         )  # fmt: skip
-        session.config = dataclasses.replace(config, algorithm=algo)
-        metrics = run_step(session, i + 1, pretrain=False)
+        session.config = session.context.config = dataclasses.replace(config, algorithm=algo)
+        metrics = run_step(session.context, i + 1, pretrain=False)
         assert math.isfinite(metrics["policy/pg_loss"]), (name, metrics)
         assert algo.uses_critic == ("critic/value_loss" in metrics), name
         if algo.uses_critic:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vapo_megatron.step.routed_route import _fill_spans
+from vapo_megatron.step.advantage_exchange import _fill_spans
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +46,7 @@ def positions_exchange(src: list[int], dst: list[int], num_tokens: int):
     """An exchange from CP chunks as ``AdvantageExchange.__init__`` leaves it on one rank:
     this rank's own tokens at ``src`` of its critic buffer go to ``dst`` of its policy
     buffer."""
-    from vapo_megatron.step.routed_route import AdvantageExchange
+    from vapo_megatron.step.advantage_exchange import AdvantageExchange
 
     exchange = AdvantageExchange.__new__(AdvantageExchange)
     exchange.host_group, exchange.num_tokens, exchange.whole = None, num_tokens, False

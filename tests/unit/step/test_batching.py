@@ -24,7 +24,7 @@ from vapo_megatron.step.batching import (
     response_offsets,
 )
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
-from vapo_megatron.step.scoring import score_flat
+from vapo_megatron.step.outputs import score_flat
 from vapo_megatron.step.token_sums import TokenSums
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ from vapo_megatron.models.logprobs import VocabSlice
 from vapo_megatron.parallel.reductions import LossNormalisers
 from vapo_megatron.step.batching import Ragged, build_samples
 from vapo_megatron.step.losses import policy_loss_fn
-from vapo_megatron.step.scoring import TokenFields
+from vapo_megatron.step.outputs import TokenFields
 from vapo_megatron.step.updates import CORRECTION_FIELDS, POLICY_FIELDS, UpdateData
 
 pytestmark = pytest.mark.unit
@@ -30,7 +30,7 @@ def _data(correction):
     rollout = old + torch.tensor([0.0, 1.2, -0.9, 0.1, -0.2, 0.5, 0.0])  # rho = e^-(...)
     data = UpdateData(
         prompts=prompts, responses=responses, fields=TokenFields([0, 4], arrays),
-        positive=[False, False], trainable_policy=[True, True], route=None,
+        positive=[False, False], trainable_policy=[True, True], path=None,
         rollout_logprobs=rollout, correction=correction,
     )  # fmt: skip
     return data, old, rollout, arrays["advantages"]

@@ -1,4 +1,4 @@
-"""``shard_route._write``: a micro-batch's outputs on its response tokens into the step's
+"""``scoring_pass._write``: a micro-batch's outputs on its response tokens into the step's
 buffer, by its response runs where it has them (no CP) and by its mask otherwise: both give
 the masked select's elements, and a span that does not fit the micro-batch is refused."""
 
@@ -8,7 +8,7 @@ import torch
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.data.packing import Sample, pack_many
 from vapo_megatron.step.batching import empty_micro_batch
-from vapo_megatron.step.shard_route import _write
+from vapo_megatron.step.scoring_pass import _write
 
 pytestmark = pytest.mark.unit
 

@@ -33,7 +33,7 @@ from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import build_model_groups, seed_rng_tracker
 from vapo_megatron.step.losses import logprob_scoring_fn, policy_loss_fn, value_loss_fn
-from vapo_megatron.step.scoring import score_flat
+from vapo_megatron.step.outputs import score_flat
 from vapo_megatron.step.updates import train_on
 
 NO_FUSIONS = dict(

@@ -3,7 +3,7 @@
 A tiny random Qwen3-MoE critic (transformers' trunk + a score row, loaded through the record)
 on the model's own groups, with ``track_routes(replay=True)``:
 
-1. the scoring pass (``shard_route.score_share``, the trainer's own) keeps each of this DP
+1. the scoring pass (``scoring_pass.score_share``, the trainer's own) keeps each of this DP
    rank's samples' routes: they must be transformers' router top-k of every token (prompt and
    response), over this rank's layers only (``router_replay.layers``: its stage's);
 2. the update's micro-batches (other samples together, another token budget: each sample at
@@ -36,11 +36,12 @@ from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.model_groups import build_model_groups
+from vapo_megatron.step.advantages import CriticShardGae
 from vapo_megatron.step.batching import ROUTES, Ragged, build_samples, micro_batches
 from vapo_megatron.step.critic_routes import step_routes
 from vapo_megatron.step.losses import value_scoring_fn
-from vapo_megatron.step.scoring import StepInputs
-from vapo_megatron.step.shard_route import ScoringPass, score_share, step_share
+from vapo_megatron.step.outputs import StepInputs
+from vapo_megatron.step.scoring_pass import ScoringPass, score_share, step_share
 from vapo_megatron.step.updates import route_agreement
 from vapo_megatron.tiny.model import tiny_qwen3_config, train_tokenizer
 
@@ -167,7 +168,8 @@ def check(name: str, reference_data, host, out_dir: str) -> None:
     inputs = StepInputs(prompts, responses, torch.ones(count), None)
     side = score_share(
         [ScoringPass("old_values", critic, value_scoring_fn(), "values")], share, inputs,
-        gae_algo=AlgoConfig(), monte_carlo=False, token_budget=40, host_group=host,
+        token_budget=40, host_group=host,
+        shard_gae=CriticShardGae(AlgoConfig(), inputs, monte_carlo=False),
     )  # fmt: skip
     mine = share.ids.tolist()
     assert sorted(side.routes) == mine, (sorted(side.routes), mine)

@@ -4,7 +4,7 @@ Usage: python moe_ep_lockstep_worker.py OUT.pt. At EP 2 on 2 ranks (DP 2) both D
 the expert-parallel group, so megatron's token dispatcher runs a collective over them in every
 MoE layer of every micro-batch. The samples make the DP shares equal in tokens but not in
 micro-batches: rank 0 owns one long sample (one micro-batch), rank 1 six short ones (three
-micro-batches at ``TOKEN_BUDGET``). The scoring pass (``shard_route.score_share``, two
+micro-batches at ``TOKEN_BUDGET``). The scoring pass (``scoring_pass.score_share``, two
 micro-batches a chunk here) and an update (``updates.train_on``) run at EP1 (the reference:
 experts replicated, no collective across DP in the forward) and at EP2, both with routing
 replay of given routes. Without lining the ranks up the EP2 run hangs in the dispatcher's
@@ -26,7 +26,6 @@ from tests.distributed.models.workers.moe_ep_step_worker import (
     reduced_gradients,
     reference,
 )
-from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.data.packing import Sample
 from vapo_megatron.engine.model_engine import ModelEngine
@@ -36,10 +35,10 @@ from vapo_megatron.parallel.collectives import all_gather_objects, make_host_gro
 from vapo_megatron.parallel.cpu_shim import initialize_cpu_process_group
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.parallel.model_groups import build_model_groups, ensure_global_memory_buffer
-from vapo_megatron.step import shard_route
+from vapo_megatron.step import scoring_pass
 from vapo_megatron.step.batching import FLAT_INDEX, Ragged
 from vapo_megatron.step.losses import logprob_scoring_fn, policy_loss_fn
-from vapo_megatron.step.scoring import StepInputs
+from vapo_megatron.step.outputs import StepInputs
 from vapo_megatron.step.updates import train_on
 
 LENGTHS = [(10, 20)] + [(2, 3)] * 6  # (prompt, response): 30 tokens, then 6 x 5 tokens
@@ -97,7 +96,7 @@ def score(engine: ModelEngine, data, host) -> torch.Tensor:
     route_lengths = torch.tensor([len(r) for r in routes], device=HOST)
     step_routes = (torch.cat(routes), torch.nn.functional.pad(route_lengths.cumsum(0), (1, 0)))
     counts = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    share = shard_route.step_share(
+    share = scoring_pass.step_share(
         [torch.arange(len(counts), device=HOST)], counts, responses_flat.lengths(),
         dp_size=engine.dp_size, dp_rank=engine.dp_rank,
     )  # fmt: skip
@@ -105,12 +104,11 @@ def score(engine: ModelEngine, data, host) -> torch.Tensor:
         ragged(prompts), responses_flat, torch.ones(len(counts), device=HOST), None,
         routes=step_routes,
     )  # fmt: skip
-    scoring = shard_route.ScoringPass(
+    scoring = scoring_pass.ScoringPass(
         "old_logprobs", engine, logprob_scoring_fn(engine.vocab_slice), "logprobs"
     )
-    side = shard_route.score_share(
-        [scoring], share, inputs, gae_algo=AlgoConfig(), monte_carlo=False,
-        token_budget=TOKEN_BUDGET, host_group=host,
+    side = scoring_pass.score_share(
+        [scoring], share, inputs, token_budget=TOKEN_BUDGET, host_group=host,
     )  # fmt: skip
     flat = torch.zeros(int(responses_flat.offsets[-1]), device=HOST)
     for part in all_gather_objects((share.ids.tolist(), side.arrays["old_logprobs"]), host):
@@ -167,7 +165,7 @@ def main(out: str) -> None:
     initialize_cpu_process_group()
     ensure_global_memory_buffer()
     host = make_host_group()
-    shard_route.SCORING_CHUNK = 2  # chunks must line up across the DP ranks too
+    scoring_pass.SCORING_CHUNK = 2  # chunks must line up across the DP ranks too
     hf, sd, vocab = reference()
     data = step_data(vocab, hf.num_layers, hf.num_experts, hf.moe_top_k)
     results = {}

@@ -39,6 +39,7 @@ from vapo_megatron.parallel.model_groups import (
     seed_rng_tracker,
 )
 from vapo_megatron.step import rollout, run
+from vapo_megatron.step.context import StepContext
 
 REPO = Path(__file__).resolve().parents[4]
 ONE = ModelLayout()
@@ -60,6 +61,8 @@ VOCAB = HF_CONFIG.vocab_size
 class Rollout:
     """Responses that depend on the prompt alone: sample k of a group starts with token k + 1
     (graded by its parity), then 0-19 tokens seeded by the prompt's ids and k."""
+
+    state = SimpleNamespace(asleep=False)
 
     def generate(self, prompt_ids, *, n, seed, **_):
         out = []
@@ -131,14 +134,14 @@ def run_once(case, *, reference, algorithm, pretrain, host, out_dir):
         for g in range(prompts_per_step)
     ]  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
-    session = SimpleNamespace(
+    session = StepContext(
         config=config, policy=engines["policy"], critic=engines.get("critic"), rollout=Rollout(),
-        rollout_synced=True, sampler=SimpleNamespace(next_indices=lambda count: list(range(count))),
-        train=SimpleNamespace(items=prompts),
+        weights_current=True,
+        sampler=SimpleNamespace(next_indices=lambda count: list(range(count))),
+        train_prompts=prompts,
         tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: str(ids[0])),
         stop_token_ids=[0], routing={}, replica=rank, num_replicas=world, host_group=host,
         rank=rank, run_dir=out_dir / f"{case}-{algorithm}-{pretrain}-{reference}-rank{rank}",
-        data_path=None,
     )  # fmt: skip
     metrics = run.run_step(session, 3, pretrain=pretrain)
     weights = {}

@@ -16,14 +16,14 @@ the rest 0), and the sums that count each token once over the job. Under CP:
 
 - without a pipeline each sequence is padded on its own (``batching.MicroBatchPlan``), so its
   CP chunks are the same in every micro-batch it lands in: the buffers keep this CP rank's
-  chunks only, and the critic's GAE runs on them as they come out
-  (``advantages.gae_on_cp_shards``: one carry per sequence crosses CP ranks);
+  chunks only, and the critic's values go as they come out to the caller's ``shard_gae``
+  (``advantages.CriticShardGae``: GAE on the shards, one carry per sequence across CP ranks);
 - with a pipeline every row is padded to one length, which moves a row's last sequence's
   chunks between the scoring pass and an update's micro-batches: the CP ranks' chunks are
   reassembled (one sum over the model's CP group on its device: each position is held by
   exactly one CP rank, the others add 0) and GAE scans whole sequences.
 
-``step/routed_route.py`` composes the sides and moves the critic's advantages to the
+``step/advantage_exchange.py`` composes the sides and moves the critic's advantages to the
 policy's owners where the two models' shares differ.
 """
 
@@ -31,17 +31,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.algorithms.masks import count_true
 from vapo_megatron.data.packing import MicroBatch, Sample
 from vapo_megatron.engine.model_engine import LossFn, ModelEngine
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.step.advantages import gae_on_cp_shards
 from vapo_megatron.step.batching import (
     FLAT_INDEX,
     LOCAL_INDEX,
@@ -52,8 +51,25 @@ from vapo_megatron.step.batching import (
     plan_micro_batches,
 )
 from vapo_megatron.step.critic_routes import keep_sample_routes, whole_rows
-from vapo_megatron.step.scoring import Side, StepInputs
+from vapo_megatron.step.outputs import Side, StepInputs
 from vapo_megatron.step.token_sums import HeldTokens, TokenSums
+
+
+class ShardGae(Protocol):
+    """Takes the critic's values on its CP shards, chunk by chunk, as the scoring pass makes
+    them (``step/advantages.py::CriticShardGae``)."""
+
+    names: list[str]
+    """The per-token outputs it gives, each kept in a local buffer like the passes' own."""
+
+    def __call__(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        sample_ids: Sequence[int],
+        values: Sequence[torch.Tensor],
+        cp_group: dist.ProcessGroup | None,
+    ) -> dict[str, list[torch.Tensor]]: ...
+
 
 SCORING_CHUNK = 16
 """Micro-batches packed and scored at a time (without a pipeline): the host holds a chunk's
@@ -124,22 +140,30 @@ def score_share(
     share: StepShare,
     inputs: StepInputs,
     *,
-    gae_algo: AlgoConfig,
-    monte_carlo: bool,
     token_budget: int,
     host_group: dist.ProcessGroup | None,
+    shard_gae: ShardGae | None = None,
 ) -> Side:
     """The ``passes`` (models of one layout) on ``share``, a few micro-batches at a time;
-    under CP without a pipeline, GAE (``gae_algo``) on the critic's shards as they come out;
+    under CP without a pipeline the critic's values go to ``shard_gae`` as they come out
+    (required then: the shards are not kept whole) and its outputs are kept beside them;
     under CP with a pipeline, the shards reassembled after. Collective over the models' groups
-    and the host group. ``monte_carlo``: critic pretraining's targets (no advantages)."""
+    and the host group."""
     lead = passes[-1].engine
     layout = lead.layout
     critic = next((p.engine for p in passes if p.name == "old_values"), None)
     shards_gae = critic is not None and layout.cp > 1 and layout.pp == 1
     reassemble = layout.cp > 1 and layout.pp > 1
     whole = lead.is_last_stage and not shards_gae
-    arrays = _buffers(passes, share.num_tokens, monte_carlo=monte_carlo, whole=whole)
+    # The critic's row-6 outputs get buffers where the tail's packed scan will not fill them:
+    # on CP shards (filled chunk by chunk) and on a stage without outputs (read by no loss).
+    extra = critic is not None and not whole
+    if extra and shard_gae is None:
+        raise ValueError(
+            "the critic's values are not whole sequences here (CP shards, or a stage without "
+            "outputs): pass shard_gae (step/advantages.py::CriticShardGae)"
+        )
+    arrays = _buffers(passes, share.num_tokens, shard_gae.names if extra else [])
     held = torch.zeros(share.num_tokens, dtype=torch.bool, device=HOST)
     ids = share.ids.tolist()
     samples = _samples(share, inputs, layout.cp)
@@ -161,15 +185,10 @@ def score_share(
                 continue
             values = [r[p.key] for r in results]
             _write(arrays[p.name], held, chunk, values, spans)
-            if p.engine is critic and shards_gae:  # GAE on the CP shards
-                advantages, returns, _ = gae_on_cp_shards(
-                    gae_algo, chunk, values,
-                    torch.tensor(chunk_ids, dtype=torch.long, device=HOST),
-                    inputs.rewards, inputs.responses.offsets, critic.groups.parallel.cp,
-                )  # fmt: skip
-                _write(arrays["returns"], None, chunk, returns, spans)
-                if "advantages" in arrays:
-                    _write(arrays["advantages"], None, chunk, advantages, spans)
+            if p.engine is critic and shards_gae:  # row 6's GAE on the CP shards
+                outputs = shard_gae(chunk, chunk_ids, values, critic.groups.parallel.cp)
+                for name, per_mb in outputs.items():
+                    _write(arrays[name], None, chunk, per_mb, spans)
     if reassemble and lead.is_last_stage:
         _reassemble(arrays, held, lead)
     counts_here = lead.is_last_stage and lead.tp_rank == 0 and (lead.cp_rank == 0 or not reassemble)
@@ -194,15 +213,12 @@ def _reassemble(arrays: dict[str, torch.Tensor], held: torch.Tensor, engine: Mod
 
 
 def _buffers(
-    passes: Sequence[ScoringPass], num_tokens: int, *, monte_carlo: bool, whole: bool
+    passes: Sequence[ScoringPass], num_tokens: int, extra: Sequence[str]
 ) -> dict[str, torch.Tensor]:
-    """Zeroed per-token buffers: the passes' outputs, and the critic's returns (and
-    advantages, unless critic pretraining's Monte-Carlo targets) where the tail's packed scan
-    will not fill them (filled shard by shard under CP; read by no loss on a stage without
+    """Zeroed per-token buffers: the passes' outputs, and ``extra`` ones (the critic's returns
+    and advantages: filled shard by shard under CP, read by no loss on a stage without
     outputs)."""
-    names = [p.name for p in passes]
-    if "old_values" in names and not whole:
-        names += ["returns"] if monte_carlo else ["returns", "advantages"]
+    names = [p.name for p in passes] + list(extra)
     return {name: torch.zeros(num_tokens, dtype=torch.float32, device=HOST) for name in names}
 
 

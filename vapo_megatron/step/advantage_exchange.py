@@ -4,12 +4,12 @@ ranks that train the policy on it.
 
 Data flow of one VAPO step (``step/run.py`` calls these in order):
 
-1. Owners, once per step (``shard_route.step_share``): for each model, the first epoch's
+1. Owners, once per step (``scoring_pass.step_share``): for each model, the first epoch's
    mini-batches, each split over *that model's* DP ranks by token counts
    (``batching.dp_owners``). Policy DP rank p(i) and critic DP rank c(i) own sample i for the
    whole step; every rank computes both maps (they depend only on the step's token counts).
    Two models of one DP size get the same map.
-2. Scoring (``shard_route.score_share``): the policy's DP rank p(i) scores i's old log-probs,
+2. Scoring (``scoring_pass.score_share``): the policy's DP rank p(i) scores i's old log-probs,
    the critic's DP rank c(i) its values, each into local buffers of its own samples (under
    CP: this CP rank's chunks; under CP with PP reassembled to whole sequences). On one layout
    both passes share one packing.
@@ -52,19 +52,19 @@ from vapo_megatron.algorithms.masks import all_true, count_true
 from vapo_megatron.engine.model_engine import ModelEngine
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
-from vapo_megatron.step.advantages import monte_carlo_config
+from vapo_megatron.step.advantages import CriticShardGae
 from vapo_megatron.step.batching import gather_index
-from vapo_megatron.step.scoring import (
+from vapo_megatron.step.outputs import (
     PathChoice,
     Scored,
     Side,
     StepInputs,
     StepModels,
 )
-from vapo_megatron.step.shard_route import ScoringPass, StepShare, score_share
+from vapo_megatron.step.scoring_pass import ScoringPass, StepShare, score_share
 
 
-class RoutedRoute:
+class OwnerPath:
     """Each model's DP rank scores, holds and trains on its ``shares`` entry ("policy",
     "critic"); the critic's advantages go to the policy's owners where the shares differ."""
 
@@ -104,10 +104,9 @@ class RoutedRoute:
         if models.critic is not None:
             # Temperature is the policy's; the critic's values are never divided by it.
             passes["critic"] = ScoringPass("old_values", models.critic, models.value_fn, "values")
-        gae_algo = monte_carlo_config() if monte_carlo else algo
         kwargs = dict(
-            gae_algo=gae_algo, monte_carlo=monte_carlo, token_budget=token_budget,
-            host_group=self.host_group,
+            token_budget=token_budget, host_group=self.host_group,
+            shard_gae=CriticShardGae(algo, inputs, monte_carlo=monte_carlo),
         )  # fmt: skip
         if self.name == "shards" or len(passes) == 1:  # one share: one packing for both
             role = "critic" if "critic" in passes else "policy"

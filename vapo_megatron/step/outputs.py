@@ -1,17 +1,20 @@
-"""Step 5, the scoring pass (no grad), and the route by which its per-token outputs reach
-the ranks that train on them.
+"""What step 5 (the scoring pass, no grad: ``step/scoring_pass.py``) leaves behind, and the
+data path by which its per-token outputs reach the ranks that train on them: the interface
+types (``StepInputs``, ``StepModels``, ``Side``, ``Scored``, ``TokenFields``, ``OutputPath``),
+the path's choice (``choose_path``) and a whole-batch reference scorer for checks
+(``score_flat``).
 
 The policy gives each response token's old log-prob, the critic its value. Each model's
 data-parallel rank owns samples for the whole step (the first epoch's mini-batches, each split
-by token counts over that model's DP size: ``shard_route.step_share``) and scores, keeps and
+by token counts over that model's DP size: ``scoring_pass.step_share``) and scores, keeps and
 trains on them. GAE runs where the values are, on the critic's owners (``step/advantages.py``):
 the critic's targets (returns) stay there; the policy's advantages go to the policy's owners,
 which differ only where the two models split the ranks differently
-(``step/routed_route.py``: one all-to-all over the host group). Where both models share one
+(``step/advantage_exchange.py``: one all-to-all over the host group). Where both models share one
 layout (``choose_path`` says "shards") the owners coincide and nothing per token crosses
 ranks; otherwise ("routed") only the advantages do, each to the ranks that train on its sample.
 
-A route (``OutputRoute``) runs the passes and leaves this rank a ``Scored``: per model a
+An ``OutputPath`` (``step/advantage_exchange.py::OwnerPath``) runs the passes and leaves this rank a ``Scored``: per model a
 ``Side`` (the held samples' outputs and the sums that count each token once over the job),
 and the hand-over of the critic's per-token arrays to the policy's side.
 """
@@ -163,7 +166,7 @@ class Side:
 
 @dataclass
 class Scored:
-    """A route's scoring outputs on this rank."""
+    """A path's scoring outputs on this rank."""
 
     policy: Side | None
     """The policy's old log-probs on its owners' samples (None in critic pretraining)."""
@@ -175,7 +178,7 @@ class Scored:
     advantages; collective over the host group). The identity on one layout."""
 
 
-class OutputRoute(Protocol):
+class OutputPath(Protocol):
     """How the scoring passes' per-token outputs reach the ranks that train on them."""
 
     name: str

@@ -1,4 +1,4 @@
-"""Which data path a step takes (``scoring.choose_path``: nothing per token crosses ranks, or
+"""Which data path a step takes (``outputs.choose_path``: nothing per token crosses ranks, or
 the critic's advantages are routed), and which samples a DP rank owns (``step_share``). The
 routed step against a single-rank reference: tests/distributed/step/test_shard_path.py."""
 
@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from vapo_megatron.config.layout import ModelLayout, layout_sizes
 from vapo_megatron.config.recipe import load_recipe
-from vapo_megatron.step.scoring import choose_path
-from vapo_megatron.step.shard_route import step_share
+from vapo_megatron.step.outputs import choose_path
+from vapo_megatron.step.scoring_pass import step_share
 
 pytestmark = pytest.mark.unit
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
