@@ -23,7 +23,7 @@ import torch
 from gpu_checks.compare import max_change, param_snapshot
 from gpu_checks.context import Context
 from gpu_checks.frame import check
-from gpu_checks.tiny import OPTIM, SEED, TOKEN_BUDGET, random_hf_tensors
+from gpu_checks.tiny import MOE_CONFIG, OPTIM, SEED, TOKEN_BUDGET, random_hf_tensors
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.engine.model_engine import ModelEngine
@@ -36,29 +36,6 @@ from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
 from vapo_megatron.step.outputs import StepInputs
 from vapo_megatron.step.scoring_pass import ScoringPass, score_share, step_share
 from vapo_megatron.weights.critic import critic_from_policy
-
-MOE_CONFIG = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "hidden_act": "silu",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "norm_topk_prob": True,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "rope_theta": 1e6,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "bos_token_id": None,
-    "eos_token_id": 0,
-}
 
 
 def moe_hf_tensors(hf: HFModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -36,6 +36,16 @@ HF_CONFIG = {
     "bos_token_id": None,
     "eos_token_id": 0,
 }
+MOE_CONFIG = {
+    **{k: v for k, v in HF_CONFIG.items() if k not in ("use_sliding_window", "initializer_range")},
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+}
+"""The check's tiny Qwen3-MoE: HF_CONFIG's trunk with 8 experts, top 2."""
 PROMPTS, SAMPLES_PER_PROMPT = 3, 2
 TOKEN_BUDGET = 64
 """Micro-batch token budget: the step's ~130 tokens make several micro-batches."""
