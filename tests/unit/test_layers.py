@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_structure import find_cycles  # one Tarjan for modules and packages
+
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,40 +130,6 @@ def cross_node_imports(modules: dict[str, Path] = MODULES) -> list[Import]:
                 if None not in (here, there) and here != there:
                     out.append(Import(name, target, node.lineno, kind))
     return out
-
-
-def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one node (Tarjan), each sorted."""
-    index, low, on_stack, stack, cycles = {}, {}, set(), [], []
-    counter = [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                cycles.append(sorted(component))
-
-    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return cycles
 
 
 def layer_of(node: str) -> int | None:
