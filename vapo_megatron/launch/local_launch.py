@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -128,9 +129,22 @@ def _start_ranks(
                 stderr=None if to_console else subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=cwd,
+                preexec_fn=die_with_launcher if sys.platform == "linux" else None,
             )  # fmt: skip
         )
     return procs, logs
+
+
+def die_with_launcher() -> None:
+    """In a rank, between fork and exec (Linux): ask the kernel to SIGKILL it when the launcher
+    dies (``PR_SET_PDEATHSIG``), so a launcher killed by ``kill -9`` or a timeout leaves no
+    ranks behind, waiting in a collective and holding their ports (and on a GPU, memory)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:  # Popen re-raises it
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 def _wait_for_ranks(procs: list[subprocess.Popen], timeout: float | None) -> bool:

@@ -71,3 +71,41 @@ def test_the_suite_gives_ranks_a_temporary_directory_of_its_own(session_tmpdir):
     made = Path(output.strip())
     assert made.parent == session_tmpdir and made.is_dir()
     made.rmdir()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """A launcher killed by ``kill -9`` (or a test's timeout) takes its ranks with it: before,
+    ranks waiting in a collective lived on, holding their ports (seen: 55 minutes)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    rank = f"import os, time; open({str(pids)!r} + '/' + str(os.getpid()), 'w'); time.sleep(120)"
+    launcher = (
+        "from vapo_megatron.launch.local_launch import run_local_ranks; import sys; "
+        f"run_local_ranks([sys.executable, '-c', {rank!r}], 2, timeout=120)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", launcher])
+    deadline = time.monotonic() + 60
+    while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    started = [int(p.name) for p in pids.iterdir()]
+    assert len(started) == 2, started
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # a zombie has exited
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in started if alive(pid)], "ranks outlived their launcher"
