@@ -38,6 +38,7 @@ from vapo_megatron.step.batching import (
     Ragged,
     build_samples,
     dp_share,
+    line_up,
     micro_batches,
     response_offsets,
     row_lengths,
@@ -227,6 +228,11 @@ def score_flat(
     mbs = micro_batches(
         samples, engine.layout, cp_rank=engine.cp_rank, token_budget=token_budget,
         field_names=[FLAT_INDEX],
+    )  # fmt: skip
+    # As many micro-batches on every DP rank where the model runs in lockstep (EP > 1).
+    mbs = line_up(
+        mbs, engine.layout, cp_rank=engine.cp_rank, field_names=[FLAT_INDEX],
+        host_group=engine.groups.host,
     )  # fmt: skip
     outputs = engine.run(mbs, scoring_fn, forward_only=True)
     # Gathered on the model's device over the world group (NCCL on GPU), back to the host once.

@@ -100,7 +100,7 @@ class FakeEngine:
     tp_rank: int = 0
     is_last_stage: bool = True
     device = torch.device("cpu")
-    groups = SimpleNamespace(world=None)
+    groups = SimpleNamespace(world=None, host=None)
 
     def run(self, mbs, loss_fn, *, forward_only):
         assert forward_only

@@ -38,7 +38,7 @@ from vapo_megatron.parallel.model_groups import build_model_groups, ensure_globa
 from vapo_megatron.step import scoring_pass
 from vapo_megatron.step.batching import FLAT_INDEX, Ragged
 from vapo_megatron.step.losses import logprob_scoring_fn, policy_loss_fn
-from vapo_megatron.step.outputs import StepInputs
+from vapo_megatron.step.outputs import StepInputs, score_flat
 from vapo_megatron.step.updates import train_on
 
 LENGTHS = [(10, 20)] + [(2, 3)] * 6  # (prompt, response): 30 tokens, then 6 x 5 tokens
@@ -137,10 +137,18 @@ def one_layout(name: str, hf, sd, data, host, max_reductions: list[int]) -> dict
     groups = build_model_groups(tp=1, pp=1, cp=1, ep=ep, host=host)
     engine = ModelEngine(hf, ModelLayout(ep=ep), head="lm", optim=OPTIM, groups=groups)
     engine.load_hf(sd)
+    # The reference scorer (checks and tests) lines up too: its token-balanced shares give
+    # rank 0 one micro-batch and rank 1 three. Its own routes: no replay yet.
+    flat = score_flat(
+        engine, [p.tolist() for p in data[0]], [r.tolist() for r in data[1]],
+        scoring_fn=logprob_scoring_fn(engine.vocab_slice), output_key="logprobs",
+        token_budget=TOKEN_BUDGET,
+    )  # fmt: skip
+    max_reductions.clear()
     engine.track_routes(replay=True)
     counts: list[int] = []
     count_runs(engine, counts)
-    found: dict = {"logprobs": score(engine, data, host)}
+    found: dict = {"logprobs": score(engine, data, host), "flat": flat}
     step = engine.step
 
     def step_after_reading_gradients():
