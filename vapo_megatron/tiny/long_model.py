@@ -40,7 +40,12 @@ from vapo_megatron.data.prompts import PromptRecord
 from vapo_megatron.data.templates import encode_prompt
 from vapo_megatron.rewards.long_trace import WRONG, grade
 from vapo_megatron.tiny.long_trace import make_rows, parse, read_rows, solve, worked_solution
-from vapo_megatron.tiny.model import collate, tiny_qwen2_config, train_tokenizer
+from vapo_megatron.tiny.model import (
+    collate,
+    length_bucketed_batches,
+    tiny_qwen2_config,
+    train_tokenizer,
+)
 
 logger = logging.getLogger("vapo_megatron")
 
@@ -326,7 +331,7 @@ def _train(model, lengths, batch_of, loss_of, *, steps, seed, lr, batch_size) ->
     try:
         for step in range(steps):
             if not batches:
-                batches = _bucketed_batches(lengths, batch_size, order_rng)
+                batches = length_bucketed_batches(lengths, batch_size, order_rng)
             loss = loss_of(batch_of(batches.pop()))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -341,20 +346,6 @@ def _train(model, lengths, batch_of, loss_of, *, steps, seed, lr, batch_size) ->
         torch.set_num_threads(threads)
         model.eval()
     return {"loss": statistics.mean(tail)}
-
-
-def _bucketed_batches(lengths: Sequence[int], batch_size: int, rng: random.Random) -> list:
-    """One epoch of batches (indices): runs of 8 batches' worth of shuffled examples, sorted by
-    length and cut, then shuffled (solutions run from ~40 to ~550 tokens)."""
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    run = 8 * batch_size
-    batches = []
-    for begin in range(0, len(order), run):
-        chunk = sorted(order[begin : begin + run], key=lengths.__getitem__)
-        batches.extend(chunk[b : b + batch_size] for b in range(0, len(chunk), batch_size))
-    rng.shuffle(batches)
-    return batches
 
 
 def _with_eos(text: str, tokenizer: Any) -> list[int]:

@@ -307,7 +307,7 @@ def warm_up(
     try:
         for _ in range(steps):
             if not batches:
-                batches = _length_bucketed_batches(lengths, batch_size, order_rng)
+                batches = length_bucketed_batches(lengths, batch_size, order_rng)
             batch = [
                 (
                     prompts[i],
@@ -417,7 +417,7 @@ def _with_eos(text: str, tokenizer: PreTrainedTokenizerFast) -> list[int]:
     return [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
 
 
-def _length_bucketed_batches(
+def length_bucketed_batches(
     lengths: Sequence[int], batch_size: int, rng: random.Random
 ) -> list[list[int]]:
     """One epoch of batches (example indices), in an order drawn from ``rng``.
