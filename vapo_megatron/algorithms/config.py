@@ -59,6 +59,12 @@ class AlgoConfig:
     """Importance correction of the policy loss for vLLM's sampling policy (TIS, MIS/IcePop); off by default."""
     routing_replay: Literal["none", "rollout"] = "none"
     """MoE models: 'rollout' replays the engine's routed experts in the policy's scoring and update passes (R3)."""
+    off_policy_correction: Literal["none", "vtrace"] = "vtrace"
+    """Stale samples (rollout.lag > 0): 'vtrace' weights GAE by truncated pi_old/mu traces; 'none': plain GAE (the peers)."""
+    rho_bar: float = 1.0
+    """V-trace: truncation of the ratio weighting each TD error (rho_t = min(rho_bar, pi_old/mu))."""
+    c_bar: float = 1.0
+    """V-trace: truncation of the ratio in the traces (c_t = min(c_bar, pi_old/mu)); <= rho_bar."""
 
     def __post_init__(self) -> None:
         if self.advantage_estimator not in ("gae", "group"):
@@ -93,6 +99,15 @@ class AlgoConfig:
         if self.routing_replay not in ROUTING_REPLAYS:
             raise ValueError(
                 f"routing_replay must be one of {ROUTING_REPLAYS}, got {self.routing_replay!r}"
+            )
+        if self.off_policy_correction not in ("none", "vtrace"):
+            raise ValueError(
+                "off_policy_correction must be 'none' or 'vtrace', "
+                f"got {self.off_policy_correction!r}"
+            )
+        if not (0.0 < self.c_bar <= self.rho_bar):
+            raise ValueError(
+                f"V-trace needs 0 < c_bar <= rho_bar, got c_bar={self.c_bar}, rho_bar={self.rho_bar}"
             )
         if self.critic_init not in ("policy", "reward_model"):
             raise ValueError(
