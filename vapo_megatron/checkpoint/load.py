@@ -21,6 +21,7 @@ from vapo_megatron.checkpoint.directory import (
     META,
     OLD_FORMAT_COMMIT,
     OPTIMIZER,
+    RANK_EXTRA,
     SCHEDULER,
     WEIGHTS,
     complete_steps,
@@ -77,6 +78,10 @@ def load_train_checkpoint(
     world_size = dist.get_world_size(group)
     layouts = json.loads(json.dumps({name: state.layout for name, state in models.items()}))
     saved = {name: entry["layout"] for name, entry in meta["models"].items()}
+    extra = load_object(directory / EXTRA)
+    mine = directory / RANK_EXTRA / rank_file(dist.get_rank(group))
+    if meta["world_size"] == world_size and mine.is_file():
+        extra["rank_extra"] = load_object(mine)
     if meta["world_size"] == world_size and saved == layouts:
         set_rng_state(load_object(directory / "rng" / rank_file(dist.get_rank(group))))
     elif dist.get_rank(group) == 0:
@@ -86,7 +91,7 @@ def load_train_checkpoint(
             "from per-step seeds)",
             directory, meta["world_size"], saved, world_size, layouts,
         )  # fmt: skip
-    return load_object(directory / EXTRA)
+    return extra
 
 
 def _check_compatible(

@@ -20,6 +20,7 @@ from vapo_megatron.checkpoint.directory import (
     FORMAT_VERSION,
     META,
     OPTIMIZER,
+    RANK_EXTRA,
     SCHEDULER,
     WEIGHTS,
     publish,
@@ -73,9 +74,12 @@ class CheckpointSaver:
         *,
         keep_last: int,
         group: dist.ProcessGroup | None = None,
+        rank_extra: dict[str, Any] | None = None,
     ) -> None:
         """Save every model's weights, optimizer and scheduler, this rank's RNG and rank 0's
-        ``extra`` as checkpoint ``step``.
+        ``extra`` as checkpoint ``step`` (and each rank's own ``rank_extra``, where given:
+        ``load_train_checkpoint`` returns it as ``extra["rank_extra"]`` at the same world
+        size).
 
         Collective over the default process group (megatron's writer) and ``group`` (default:
         every rank; the host group in the trainer) for the barriers. All ranks write into a
@@ -89,6 +93,8 @@ class CheckpointSaver:
         rank = dist.get_rank(group)
         tmp = _make_tmp_dir(root, step, models, group)
         save_object(rng_state(), tmp / "rng" / rank_file(rank))
+        if rank_extra is not None:
+            save_object(rank_extra, tmp / RANK_EXTRA / rank_file(rank))
         requests = []
         for name, state in models.items():
             requests += self._write_model(state, tmp / name, step, rank == 0)

@@ -54,6 +54,7 @@ from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.advantages import CriticShardGae
 from vapo_megatron.step.batching import gather_index
+from vapo_megatron.step.importance import gather_policy_logprobs
 from vapo_megatron.step.outputs import (
     PathChoice,
     Scored,
@@ -115,6 +116,11 @@ class OwnerPath:
                 side if "policy" in passes else None, side if "critic" in passes else None
             )
         policy = score_share([passes["policy"]], self.shares["policy"], inputs, **kwargs)
+        if inputs.traces is not None:  # the critic's owners need pi_old of their tokens
+            gather_policy_logprobs(
+                inputs.traces, policy.held, policy.arrays["old_logprobs"], policy.sums,
+                inputs.responses.offsets, self.host_group,
+            )  # fmt: skip
         critic = score_share([passes["critic"]], self.shares["critic"], inputs, **kwargs)
         exchange = AdvantageExchange(
             self.shares["policy"], self.shares["critic"], critic, models,

@@ -27,6 +27,7 @@ from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.parallel.cp_gae import gae_context_parallel_packed
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.batching import FLAT_INDEX
+from vapo_megatron.step.importance import StaleTraces
 from vapo_megatron.step.outputs import Scored, Side, StepInputs, TokenFields
 from vapo_megatron.step.token_sums import (
     TokenSums,
@@ -53,12 +54,19 @@ def gae_advantages(
     rewards: Sequence[float] | torch.Tensor,
     values: torch.Tensor,
     offsets: torch.Tensor,
+    *,
+    ratios: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(advantages [N], returns [N], lambda_policy [S]) from the critic's values [N]."""
+    """(advantages [N], returns [N], lambda_policy [S]) from the critic's values [N]; with
+    ``ratios`` [N] (pi_old / mu of stale samples, ``step/importance.py``) V-trace GAE with
+    the algorithm's rho_bar and c_bar in both lambdas."""
     flat_rewards = terminal_rewards(rewards, offsets)
     # Every token is a response token: one True seen N times, not an [N] buffer.
     mask = torch.ones(1, dtype=torch.bool, device=offsets.device).expand(flat_rewards.numel())
-    return decoupled_gae_packed(algo, flat_rewards, values, mask, offsets)
+    traces = (
+        {} if ratios is None else {"ratios": ratios, "rho_bar": algo.rho_bar, "c_bar": algo.c_bar}
+    )
+    return decoupled_gae_packed(algo, flat_rewards, values, mask, offsets, **traces)
 
 
 def monte_carlo_returns(
@@ -117,6 +125,9 @@ def gae_on_cp_shards(
     rewards: torch.Tensor,
     offsets: torch.Tensor,
     cp_group: dist.ProcessGroup | None,
+    *,
+    traces: StaleTraces | None = None,
+    logprobs: Sequence[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Decoupled GAE where the critic scored: on this rank's context-parallel shards.
 
@@ -130,7 +141,9 @@ def gae_on_cp_shards(
     this data-parallel rank holds the same micro-batches, so each call is collective over it).
     Returns (advantages, returns) per micro-batch, [t_local] float32 on the values' device (0
     off the response mask), equal to :func:`gae_advantages`' at each token's ``flat_index``, and
-    lambda_policy [K] of ``sample_ids``.
+    lambda_policy [K] of ``sample_ids``. With ``traces`` (stale samples), V-trace GAE: the
+    ratios from the policy's log-probs of the same micro-batches ``logprobs`` (one layout),
+    or from the traces' gathered ones (None: the routed path).
     """
     cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
     lengths = offsets.diff()[sample_ids]
@@ -138,7 +151,7 @@ def gae_on_cp_shards(
     last = offsets[1:] - 1  # flat position of each sample's last response token
     advantages, returns = [], []
     start = 0
-    for mb, value in zip(micro_batches, values, strict=True):
+    for k, (mb, value) in enumerate(zip(micro_batches, values, strict=True)):
         device = value.device  # the critic's: its CP group's collective takes tensors there
         mask = mb.response_mask.reshape(-1).to(device)
         if mb.num_seqs == 0:
@@ -155,8 +168,12 @@ def gae_on_cp_shards(
         reward = rewards[ids].to(device, torch.float32).repeat_interleave(local)
         token_rewards = torch.where(is_last, reward, 0.0)
         value = value.reshape(-1).to(torch.float32)
+        kw = {}
+        if traces is not None:
+            old = None if logprobs is None else logprobs[k].reshape(-1)
+            kw = traces.gae_kwargs(_shard_ratios(traces, flat_index, mask, old).to(device))
         if cp_size == 1:  # whole sequences here: the packed scan, lambdas from the mask
-            adv, ret, _ = decoupled_gae_packed(algo, token_rewards, value, mask, cu_padded)
+            adv, ret, _ = decoupled_gae_packed(algo, token_rewards, value, mask, cu_padded, **kw)
             advantages.append(adv.to(torch.float32))
             returns.append(ret.to(torch.float32))
             continue
@@ -166,7 +183,7 @@ def gae_on_cp_shards(
             lams.append(lam_critic[span])
         results = [
             gae_context_parallel_packed(
-                token_rewards, value, mask, cu_padded, lam, algo.gamma, cp_group
+                token_rewards, value, mask, cu_padded, lam, algo.gamma, cp_group, **kw
             )
             for lam in lams
         ]
@@ -180,6 +197,21 @@ def gae_on_cp_shards(
     return advantages, returns, lam_policy
 
 
+def _shard_ratios(
+    traces: StaleTraces,
+    flat_index: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+) -> torch.Tensor:
+    """[t_local] r of a micro-batch's positions (1 off the response mask, whose flat index
+    is padding)."""
+    flat_index, mask = flat_index.to(HOST), mask.to(HOST)
+    ratios = torch.ones(flat_index.numel(), dtype=torch.float32, device=HOST)
+    old = None if old_logprobs is None else old_logprobs.to(HOST)[mask]
+    ratios[mask] = traces.ratios_at(flat_index[mask], old)
+    return ratios
+
+
 class CriticShardGae:
     """Row 6 where row 5 leaves the critic's values on context-parallel shards (CP without a
     pipeline, ``step/scoring_pass.py``): the scoring pass hands each chunk's values here as they
@@ -190,6 +222,7 @@ class CriticShardGae:
     def __init__(self, algo: AlgoConfig, inputs: StepInputs, *, monte_carlo: bool) -> None:
         self.algo = monte_carlo_config() if monte_carlo else algo
         self.rewards, self.offsets = inputs.rewards, inputs.responses.offsets
+        self.traces = None if monte_carlo else inputs.traces
         self.names = ["returns"] if monte_carlo else ["returns", "advantages"]
 
     def __call__(
@@ -198,13 +231,16 @@ class CriticShardGae:
         sample_ids: Sequence[int],
         values: Sequence[torch.Tensor],
         cp_group: dist.ProcessGroup | None,
+        logprobs: Sequence[torch.Tensor] | None = None,
     ) -> dict[str, list[torch.Tensor]]:
         """name -> per micro-batch [t_local] float32 outputs of ``names`` (collective over
-        ``cp_group``)."""
+        ``cp_group``); ``logprobs``: the policy's outputs on the same micro-batches, where one
+        pass scored them (the stale samples' ratios)."""
         ids = torch.tensor(list(sample_ids), dtype=torch.long, device=HOST)
         advantages, returns, _ = gae_on_cp_shards(
-            self.algo, micro_batches, values, ids, self.rewards, self.offsets, cp_group
-        )
+            self.algo, micro_batches, values, ids, self.rewards, self.offsets, cp_group,
+            traces=self.traces, logprobs=logprobs,
+        )  # fmt: skip
         out = {"returns": returns, "advantages": advantages}
         return {name: out[name] for name in self.names}
 
@@ -236,8 +272,13 @@ def advantages_and_metrics(
             if monte_carlo:
                 arrays["returns"] = monte_carlo_returns(rewards, arrays["old_values"], offsets)
             else:
+                ratios = None
+                if inputs.traces is not None:  # the policy's log-probs: here, or gathered
+                    ratios = inputs.traces.held_ratios(
+                        held, inputs.responses.offsets, arrays.get("old_logprobs")
+                    )
                 arrays["advantages"], arrays["returns"], _ = gae_advantages(
-                    algo, rewards, arrays["old_values"], offsets
+                    algo, rewards, arrays["old_values"], offsets, ratios=ratios
                 )
         _whiten_and_measure(algo, critic, inputs, metrics, whitened=whiten_advantages)
         if policy is not None and "advantages" in arrays:

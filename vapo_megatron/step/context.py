@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from vapo_megatron.data.sampler import PromptSampler
     from vapo_megatron.engine.model_engine import ModelEngine
     from vapo_megatron.rollout.engine import RolloutEngine
+    from vapo_megatron.step.rollout_queue import RolloutQueue
 
 
 @dataclass(kw_only=True, eq=False)
@@ -55,6 +56,9 @@ class StepContext:
     changes (``step/run.py::output_route``)."""
     weights_current: bool = False
     """Whether the engine holds the policy's current weights."""
+    rollout_queue: RolloutQueue | None = None
+    """Batches generated ahead (``rollout.lag`` > 0, ``step/rollout_queue.py``); None: each
+    step generates its own."""
 
     @property
     def rollout_synced(self) -> bool:

@@ -43,6 +43,7 @@ from vapo_megatron.step.batching import (
     response_offsets,
     row_lengths,
 )
+from vapo_megatron.step.importance import StaleTraces
 from vapo_megatron.step.token_sums import HeldTokens, TokenSums
 
 
@@ -126,6 +127,9 @@ class StepInputs:
     """Routing replay: the engine's routes [T, layers, top_k] of this rank's policy samples
     and their offsets [S + 1] (``step/engine_routes.py``), packed with the scoring micro-batches
     (``batching.build_samples(routes=)``); None: off."""
+    traces: StaleTraces | None = None
+    """Stale samples' importance traces for V-trace GAE (``step/importance.py``); None: GAE
+    as without lag."""
 
 
 @dataclass

@@ -11,6 +11,7 @@ sampling more rounds until the step is full or ``max_rounds`` is reached.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from array import array
 from collections.abc import Mapping, Sequence
@@ -259,6 +260,8 @@ def step_rollouts(
     offline = cfg.critic_pretrain.offline_rollouts if pretrain else None
     if offline:  # fit the critic to rollouts saved by an earlier run
         trajectories, stats = load_rollouts(offline, pretrain_index), RolloutStats()
+    elif not pretrain and ctx.rollout_queue is not None:  # rollout.lag: the fixed schedule
+        trajectories, stats = queued_rollouts(ctx, step)
     else:
         dynamic = cfg.algorithm.dynamic_sampling and not pretrain
         trajectories, stats = collect_rollouts(ctx, step, dynamic=dynamic)
@@ -266,6 +269,24 @@ def step_rollouts(
         save_rollouts(ctx.run_dir / "rollouts", pretrain_index, trajectories)
     ctx.rollout.sleep()
     return trajectories, stats
+
+
+def queued_rollouts(ctx: StepContext, step: int) -> tuple[Trajectories, RolloutStats]:
+    """Step ``step``'s batch from the rollout queue (``step/rollout_queue.py``), generated
+    up to ``rollout.lag`` steps ago; its counts, with the seconds this call spent
+    generating and grading the batches it made (the step's own time)."""
+    cfg = ctx.config
+    dynamic = cfg.algorithm.dynamic_sampling
+    batch, made = ctx.rollout_queue.take(
+        step, cfg.trainer.steps, lambda target: collect_rollouts(ctx, target, dynamic=dynamic)
+    )
+    stats = dataclasses.replace(
+        batch.stats,
+        generate_seconds=sum(s.generate_seconds for s in made),
+        reward_seconds=sum(s.reward_seconds for s in made),
+        extra={"staleness": float(step - 1 - batch.version), "batches_made": float(len(made))},
+    )
+    return batch.trajectories, stats
 
 
 def collect_rollouts(
@@ -322,7 +343,8 @@ def rollout_metrics(
     trajectories: Trajectories, stats: RolloutStats, max_new_tokens: int
 ) -> dict[str, float]:
     """The step's rollout counts, scores and response lengths."""
-    out = {
+    out = {f"rollout/{name}": value for name, value in stats.extra.items()}
+    out |= {
         "rollout/rounds": float(stats.rounds),
         "rollout/groups_sampled": float(stats.groups_sampled),
         "rollout/groups_kept": float(stats.groups_kept),

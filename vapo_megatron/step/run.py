@@ -16,6 +16,7 @@ from vapo_megatron.step.advantage_exchange import OwnerPath
 from vapo_megatron.step.advantages import advantages_and_metrics, logprob_gap_metrics
 from vapo_megatron.step.critic_routes import step_routes as critic_step_routes
 from vapo_megatron.step.engine_routes import routes_to_owners
+from vapo_megatron.step.importance import policy_trace_metrics, step_traces
 from vapo_megatron.step.losses import logprob_scoring_fn, value_scoring_fn
 from vapo_megatron.step.outputs import (
     OutputPath,
@@ -71,12 +72,14 @@ def run_step(
     inputs = StepInputs(
         trajectories.prompts, trajectories.responses, trajectories.reward,
         trajectories.rollout_logprobs, routes=policy_routes,
+        traces=step_traces(cfg.algorithm, trajectories, step, monte_carlo=pretrain),
     )  # fmt: skip
     scored = path.score(
         models, inputs, algo=cfg.algorithm, monte_carlo=pretrain,
         token_budget=cfg.trainer.micro_batch_tokens,
     )  # fmt: skip
     metrics.update(logprob_gap_metrics(scored, inputs))
+    metrics.update(policy_trace_metrics(scored, inputs))
     if not cfg.algorithm.rollout_correction.enabled:  # nothing else reads them: freed
         trajectories.rollout_logprobs = None
         inputs.rollout_logprobs = None

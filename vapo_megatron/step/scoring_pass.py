@@ -68,6 +68,7 @@ class ShardGae(Protocol):
         sample_ids: Sequence[int],
         values: Sequence[torch.Tensor],
         cp_group: dist.ProcessGroup | None,
+        logprobs: Sequence[torch.Tensor] | None = None,
     ) -> dict[str, list[torch.Tensor]]: ...
 
 
@@ -175,6 +176,7 @@ def score_share(
     )
     for chunk, chunk_ids in _chunks(samples, ids, lead, token_budget, layout.cp):
         spans = _spans(share, chunk, chunk_ids, layout.cp, inputs.responses.offsets.diff())
+        chunk_logprobs = None  # the policy's, where one pass scores both models' chunk
         for p in passes:
             record = records and p.engine is critic
             results = p.engine.run(chunk, p.fn, forward_only=True, record_routes=record)
@@ -185,8 +187,12 @@ def score_share(
                 continue
             values = [r[p.key] for r in results]
             _write(arrays[p.name], held, chunk, values, spans)
+            if p.name == "old_logprobs":
+                chunk_logprobs = values
             if p.engine is critic and shards_gae:  # row 6's GAE on the CP shards
-                outputs = shard_gae(chunk, chunk_ids, values, critic.groups.parallel.cp)
+                outputs = shard_gae(
+                    chunk, chunk_ids, values, critic.groups.parallel.cp, logprobs=chunk_logprobs
+                )
                 for name, per_mb in outputs.items():
                     _write(arrays[name], None, chunk, per_mb, spans)
     if reassemble and lead.is_last_stage:

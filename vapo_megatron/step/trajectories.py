@@ -61,6 +61,9 @@ class Trajectories:
     ``rollout/route_recorder.py``); None: dense model or no routing replay."""
     route_store: RouteStore | None = None
     """This rank's part of the step's routes (``step/engine_routes.py``); with ``route_at``."""
+    version: torch.Tensor | None = None
+    """[S] int64: the policy version (updates applied) that generated each sample, set by
+    the rollout queue (``step/rollout_queue.py``); None: the step's own weights."""
 
     def __len__(self) -> int:
         return self.group.numel()
@@ -87,6 +90,7 @@ class Trajectories:
             truncated=self.truncated[samples], score=self.score[samples],
             acc=self.acc[samples], reward=self.reward[samples], route_at=route_at,
             route_store=self.route_store,
+            version=self.version[samples] if self.version is not None else None,
         )  # fmt: skip
 
     @staticmethod

@@ -312,14 +312,17 @@ class Run:
         for engine in (self.session.policy, self.session.critic):
             if engine is not None:  # whole parameters, with overlap_param_gather
                 engine.gather_params()
+        queue = self.session.context.rollout_queue
         extra = {
             "state": dict(self.state),
             "sampler": self.session.sampler.state_dict(),
             "stop_rule": None if self.stop_rule is None else self.stop_rule.state_dict(),
+            "rollout_queue": None if queue is None else queue.state_dict(),
         }
         self.saver.save(
             self.root, self._checkpoint_index(), self.models(), extra,
             keep_last=self.cfg.trainer.keep_last, group=self.session.host_group,
+            rank_extra=None if queue is None else {"rollout_queue": queue.rank_state()},
         )  # fmt: skip
         if wait:
             self.saver.finish()
@@ -330,6 +333,28 @@ class Run:
         self.saver.finish()
         if latest_step(self.root) != self._checkpoint_index():
             self.save(wait=True)
+
+    def _resume_rollout_queue(self, extra: dict) -> None:
+        """The in-flight batches of ``rollout.lag`` from the checkpoint (``extra``), with this
+        rank's part of their routes; a lag the checkpoint's queue does not match is refused."""
+        queue = self.session.context.rollout_queue
+        saved = extra.get("rollout_queue") or []
+        if queue is None:
+            if saved:
+                raise ValueError(
+                    f"the checkpoint holds {len(saved)} in-flight rollout batches of a run with "
+                    "rollout.lag > 0, and this run has rollout.lag=0: resume with the saved lag"
+                )
+            return
+        expected = min(queue.lag, self.cfg.trainer.steps - self.state["step"])
+        if self.state["step"] and len(saved) != expected:
+            raise ValueError(
+                f"the checkpoint holds {len(saved)} in-flight rollout batches at step "
+                f"{self.state['step']}, rollout.lag={queue.lag} needs {expected}: resume with the "
+                "lag (and trainer.steps) that saved it"
+            )
+        rank_extra = extra.get("rank_extra") or {}
+        queue.load_state_dict(saved, rank_extra.get("rollout_queue"))
 
     def _checkpoint_index(self) -> int:
         # Pretraining steps and VAPO steps share one increasing checkpoint numbering.
@@ -343,5 +368,6 @@ class Run:
         self.session.sampler.load_state_dict(extra["sampler"])
         if self.stop_rule is not None and extra["stop_rule"] is not None:
             self.stop_rule.load_state_dict(extra["stop_rule"])
+        self._resume_rollout_queue(extra)
         self.session.context.weights_current = False
         return True

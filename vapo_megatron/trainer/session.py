@@ -43,6 +43,7 @@ from vapo_megatron.parallel.model_groups import (
 from vapo_megatron.rewards.registry import check_data_sources, resolve_routing
 from vapo_megatron.run_log import native_stderr_to_rank_log
 from vapo_megatron.step.context import StepContext
+from vapo_megatron.step.rollout_queue import RolloutQueue
 from vapo_megatron.weights import hf_io
 from vapo_megatron.weights.critic import (
     check_critic_model,
@@ -191,6 +192,7 @@ class Session:
             rank=self.rank, replica=self.replica, num_replicas=self.num_replicas,
             policy=self.policy, critic=self.critic, sampler=self.sampler,
             train_prompts=self.train.items, run_dir=run_dir,
+            rollout_queue=RolloutQueue(lag) if (lag := config.rollout.steps_behind) else None,
         )  # fmt: skip
         """What the step and evaluation use of the run (and the engine's staleness)."""
 

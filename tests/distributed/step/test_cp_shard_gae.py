@@ -12,7 +12,8 @@ WORKER = Path(__file__).parent / "workers" / "cp_shard_gae_worker.py"
 
 def test_shard_gae_equals_flat_gae_dp2_cp2_cp4():
     outputs = run_workers(WORKER, 4, "1x2,2x1,2x2,1x4", timeout=240)
-    for name in ("vapo", "discounted", "coupled"):
+    names = ("vapo", "discounted", "coupled", "vtrace with_micro_batches", "vtrace gathered")
+    for name in names:
         for layout in ("DP=1 CP=2", "DP=2 CP=1", "DP=2 CP=2", "DP=1 CP=4"):
             assert f"{layout} {name}: shard GAE equals flat GAE" in outputs[0], outputs[0]
         assert f"DP=1 CP=4 {name}: shard GAE equals flat GAE" in outputs[3]

@@ -7,6 +7,8 @@ the whole step, then packs its data-parallel share into micro-batches for its CP
 as the trainer does, fills the positions off the response with garbage values, runs
 ``gae_on_cp_shards`` and compares every response token it holds with the flat path's at its
 flat_index. The ranks of a DP group together must cover every response token exactly once.
+The "vtrace" rows make some samples stale (V-trace GAE, ``step/importance.py``) and hand the
+policy's log-probs either with the micro-batches (one layout) or gathered (the routed path).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from vapo_megatron.step.batching import (
     dp_share,
     micro_batches,
 )
+from vapo_megatron.step.importance import stale_traces
 
 ATOL = 2e-5
 
@@ -50,7 +53,20 @@ def step_data(num: int):
     return prompts, responses, rewards, values
 
 
-def check(dp: int, cp: int, algo: AlgoConfig, name: str, num: int = 13) -> None:
+def traces_for(algo: AlgoConfig, responses: Ragged, num: int):
+    """Every other sample stale, with engine log-probs off the policy's by up to +-1 nat."""
+    gen = torch.Generator().manual_seed(5)
+    n = int(responses.offsets[-1])
+    policy = -torch.rand(n, generator=gen) * 3
+    engine = policy + (torch.rand(n, generator=gen) * 2 - 1)
+    staleness = torch.arange(num) % 2
+    traces = stale_traces(algo, engine, staleness, responses.offsets, monte_carlo=False)
+    return traces, policy
+
+
+def check(
+    dp: int, cp: int, algo: AlgoConfig, name: str, num: int = 13, *, traced: str = ""
+) -> None:
     rank = dist.get_rank()
     cp_groups = [dist.new_group(list(range(d * cp, (d + 1) * cp))) for d in range(dp)]
     layout_group = dist.new_group(list(range(dp * cp)))
@@ -59,7 +75,17 @@ def check(dp: int, cp: int, algo: AlgoConfig, name: str, num: int = 13) -> None:
     dp_rank, cp_rank = rank // cp, rank % cp
     prompts, responses, rewards, values = step_data(num)
     offsets = responses.offsets
-    flat_adv, flat_ret, flat_lam = gae_advantages(algo, rewards, values, offsets)
+    traces = policy_logprobs = ratios = None
+    if traced:
+        traces, policy_logprobs = traces_for(algo, responses, num)
+        ratios = traces.ratios_at(torch.arange(int(offsets[-1])), policy_logprobs)
+        assert (ratios != 1).any() and (ratios == 1).any(), "stale and fresh tokens both"
+        if traced == "gathered":
+            traces.policy_logprobs = policy_logprobs
+    flat_adv, flat_ret, flat_lam = gae_advantages(algo, rewards, values, offsets, ratios=ratios)
+    if traced:  # the check can fail: the traces move the advantages
+        plain, _, _ = gae_advantages(algo, rewards, values, offsets)
+        assert (plain - flat_adv).abs().max() > 1e-3
 
     token_counts = (prompts.lengths() + responses.lengths()).tolist()
     mine = dp_share(token_counts, dp, dp_rank)
@@ -75,9 +101,15 @@ def check(dp: int, cp: int, algo: AlgoConfig, name: str, num: int = 13) -> None:
         garbage = torch.randn(mask.numel(), generator=gen) * 100
         index = mb.fields[FLAT_INDEX].reshape(-1)
         shard_values.append(torch.where(mask, values[index], garbage)[None])
+    logprobs = None
+    if traced == "with_micro_batches":  # the policy's outputs, garbage off the response
+        logprobs = [
+            torch.where(mb.response_mask.reshape(-1), policy_logprobs[mb.fields[FLAT_INDEX].reshape(-1)], 7.0)
+            for mb in mbs
+        ]  # fmt: skip
     advantages, returns, lam = gae_on_cp_shards(
         algo, mbs, shard_values, torch.tensor(mine, dtype=torch.long, device=HOST), rewards, offsets,
-        cp_groups[dp_rank] if cp > 1 else None,
+        cp_groups[dp_rank] if cp > 1 else None, traces=traces, logprobs=logprobs,
     )  # fmt: skip
     torch.testing.assert_close(lam, flat_lam[mine], rtol=0, atol=0)
     seen = torch.zeros(int(offsets[-1]), dtype=torch.long)
@@ -108,6 +140,9 @@ def main() -> None:
         dp, cp = (int(x) for x in layout.split("x"))
         for name, algo in (("vapo", decoupled), ("discounted", discounted), ("coupled", coupled)):
             check(dp, cp, algo, name)
+            dist.barrier()
+        for traced in ("with_micro_batches", "gathered"):
+            check(dp, cp, decoupled, f"vtrace {traced}", traced=traced)
             dist.barrier()
     # Fewer samples than DP ranks: rank 3 scores none (one empty micro-batch).
     check(4, 1, decoupled, "3 samples", num=3)
