@@ -41,11 +41,22 @@ class MoESettings:
     """Precision of the router's logits, softmax and top-k."""
     token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """How tokens reach the experts of other EP ranks (megatron's moe_token_dispatcher_type)."""
+    router_bias_update_rate: float = 0.0
+    """Step of the expert-score bias (DeepSeek-V3/GLM-4.5's ``e_score_correction_bias``,
+    megatron's ``expert_bias``) after each optimizer step: +-rate toward balanced expert loads
+    (aux-loss-free balancing). 0: frozen, exported unchanged (slime's and the RL peers'
+    choice: a bias that moves changes which experts the rollout engine picks). Ignored by
+    routers without a bias (Qwen3-MoE)."""
 
     def __post_init__(self) -> None:
         for name in ("aux_loss_coeff", "z_loss_coeff"):
             if getattr(self, name) < 0:
                 raise ValueError(f"moe.{name}={getattr(self, name)} must be >= 0")
+        if self.router_bias_update_rate < 0:
+            raise ValueError(
+                f"moe.router_bias_update_rate={self.router_bias_update_rate} must be >= 0 "
+                "(0: the expert bias stays frozen)"
+            )
         if self.router_dtype not in ("fp32", "fp64"):
             raise ValueError(f"moe.router_dtype={self.router_dtype!r} must be fp32 or fp64")
         if self.token_dispatcher not in ("alltoall", "allgather"):
@@ -61,4 +72,5 @@ class MoESettings:
             "moe_z_loss_coeff": self.z_loss_coeff or None,
             "moe_router_dtype": self.router_dtype,
             "moe_token_dispatcher_type": self.token_dispatcher,
+            "moe_router_bias_update_rate": self.router_bias_update_rate,
         }

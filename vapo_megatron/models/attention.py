@@ -53,6 +53,8 @@ class ContextParallelDotProductAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         if attention_type != "self":
@@ -79,8 +81,10 @@ class ContextParallelDotProductAttention(MegatronModule):
         self.tp_group = pg_collection.tp
         # apply_query_key_layer_scaling divides the scale by layer_number and the fp16 softmax
         # multiplies it back; with the softmax in fp32 both cancel, so it is left out.
+        # MLA passes its query/key width (nope + rope) and value width (``k_channels``,
+        # ``v_channels``); the shapes come from the tensors, only the default scale needs one.
         if softmax_scale is None:
-            softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+            softmax_scale = 1.0 / math.sqrt(k_channels or config.kv_channels)
         self.softmax_scale = softmax_scale
         self.attention_dropout = torch.nn.Dropout(
             config.attention_dropout if attention_dropout is None else attention_dropout
@@ -99,9 +103,9 @@ class ContextParallelDotProductAttention(MegatronModule):
         """Attention of this rank's queries over the whole sequence(s).
 
         query: [sq, b, np, hn], key/value: [sq, b, ng, hn] (THD: [t, np, hn], [t, ng, hn],
-        this rank's tokens). attention_mask: None, or (CP = 1, not packed only) a bool mask
+        this rank's tokens; under MLA value's width hv may differ from hn). attention_mask: None, or (CP = 1, not packed only) a bool mask
         broadcastable to [b, 1, sq, sk], True = masked, used instead of causality as in the
-        stock module. Returns [sq, b, np * hn] (THD: [t, np * hn]).
+        stock module. Returns [sq, b, np * hv] (THD: [t, np * hv]).
         """
         if attention_bias is not None:
             raise ValueError("ContextParallelDotProductAttention does not take attention_bias")
@@ -163,7 +167,8 @@ class ContextParallelDotProductAttention(MegatronModule):
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor) -> Tensor:
         """Masked softmax attention. query [sq, b, np, hn], key/value [sk, b, ng, hn],
-        allowed: bool, broadcastable to [b, 1, sq, sk]. Returns [sq, b, np * hn]."""
+        allowed: bool, broadcastable to [b, 1, sq, sk]. Returns [sq, b, np * hv], hv the
+        value width (MLA: v_head_dim, not the query/key width hn)."""
         sq, batch, heads, head_dim = query.shape
         groups = key.size(2)
         # GQA by broadcasting: query head h uses key/value group h // (np / ng).
@@ -183,7 +188,7 @@ class ContextParallelDotProductAttention(MegatronModule):
                 with tensor_parallel.get_cuda_rng_tracker().fork():
                     probs = self.attention_dropout(probs)
         context = torch.matmul(probs.to(v.dtype), v)  # [b, ng, rep, sq, hn]
-        return context.permute(3, 0, 1, 2, 4).reshape(sq, batch, heads * head_dim)
+        return context.permute(3, 0, 1, 2, 4).reshape(sq, batch, heads * value.size(-1))
 
 
 def _size_and_rank(group: torch.distributed.ProcessGroup | None) -> tuple[int, int]:

@@ -24,7 +24,11 @@ from vapo_megatron.models.attention import ContextParallelDotProductAttention
 
 
 def local_layer_spec(
-    *, normalization: str = "RMSNorm", qk_layernorm: bool = False, num_experts: int | None = None
+    *,
+    normalization: str = "RMSNorm",
+    qk_layernorm: bool = False,
+    num_experts: int | None = None,
+    multi_latent_attention: bool = False,
 ) -> ModuleSpec:
     """The local GPT layer spec with CP- and THD-capable core attention.
 
@@ -32,11 +36,14 @@ def local_layer_spec(
     qk_layernorm: normalise queries and keys per head before RoPE.
     num_experts: None for a dense MLP; else megatron's ``MoELayer`` with ``SequentialMLP``
     experts (one local MLP per expert: no grouped GEMM without Transformer Engine).
+    multi_latent_attention: DeepSeek-V3's ``MLASelfAttention`` (its q/kv norms are
+    ``qk_layernorm``); the core attention then gets different query and value widths.
     """
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts,
         moe_grouped_gemm=False,
         qk_layernorm=qk_layernorm,
+        multi_latent_attention=multi_latent_attention,
         normalization=normalization,
     )
     spec.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention

@@ -8,11 +8,22 @@
 the wrong group, or None. The patch runs that method with the layer's TP group in a
 thread-local, which the two module-level names of ``megatron.core.transformer.attention``
 then use. With no group set (``parallel_state`` callers) they behave as before.
+
+DeepSeek-V3's ``MLASelfAttention.get_query_key_value_tensors`` has the same fault: under the
+local spec its down projections are column-parallel and their outputs are gathered with
+``gather_from_tensor_model_parallel_region(x)`` (and scattered back under sequence
+parallelism with ``scatter_to_sequence_parallel_region(x)``), both on ``parallel_state``'s TP
+group: the same thread-local gives them the layer's. And without Transformer Engine,
+megatron's ``extensions/transformer_engine.py`` leaves ``te`` a MagicMock, so
+``multi_latent_attention``'s TE import succeeds and ``HAVE_TE`` is True; its
+``isinstance(self.linear_proj, TELinear)`` then raises ``TypeError`` (TELinear is no type):
+``HAVE_TE`` is set False where ``transformer_engine`` is not installed.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import threading
 
 import torch.distributed as dist
@@ -54,4 +65,36 @@ def apply_megatron_patches() -> None:
     attention.all_gather_last_dim_from_tensor_parallel_region = gather_with_layer_group
     attention.get_tensor_model_parallel_rank = rank_in_layer_group
     attention.SelfAttention.get_query_key_value_tensors = get_qkv
+    _patch_mla()
     _applied = True
+
+
+def _with_layer_group(function):
+    """``function(x, group=None)`` that, given no group, takes the thread-local layer group."""
+
+    @functools.wraps(function)
+    def wrapped(x, group=None):
+        return function(x, group=group if group is not None else getattr(_state, "tp_group", None))
+
+    return wrapped
+
+
+def _patch_mla() -> None:
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        mla.HAVE_TE = False
+    for name in ("gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region"):
+        setattr(mla, name, _with_layer_group(getattr(mla, name)))
+    original = mla.MLASelfAttention.get_query_key_value_tensors
+
+    @functools.wraps(original)
+    def get_qkv(self, *args, **kwargs):
+        previous = getattr(_state, "tp_group", None)
+        _state.tp_group = self.pg_collection.tp
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _state.tp_group = previous
+
+    mla.MLASelfAttention.get_query_key_value_tensors = get_qkv

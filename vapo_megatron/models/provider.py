@@ -18,26 +18,31 @@ local spec's checkpoint key map leaves it under its own name (``moe_keys_map``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from vapo_megatron.config.gpu import ResolvedGpuSettings
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.moe import MoESettings
 from vapo_megatron.models.config import Head, HFModelConfig, LayerSpecKind
+from vapo_megatron.models.megatron_patches import apply_megatron_patches
 from vapo_megatron.models.norm import RMSNorm
 from vapo_megatron.models.value_head import ValueHead
 from vapo_megatron.parallel.devices import init_device
@@ -99,7 +104,8 @@ def transformer_config(
         }
     else:
         fusions = {k: v for k, v in fusions.items() if not k.startswith("moe_")}
-    return TransformerConfig(
+    config_class = MLATransformerConfig if hf.mla is not None else TransformerConfig
+    return config_class(
         **hf.transformer_config_kwargs(moe),
         **experts,
         tensor_model_parallel_size=layout.tp,
@@ -147,6 +153,7 @@ def default_layer_spec(
                     num_experts=hf.num_experts or None if hf is not None else None,
                     moe_grouped_gemm=grouped_gemm,
                     qk_layernorm=hf is not None and hf.qk_layernorm,
+                    multi_latent_attention=hf is not None and hf.mla is not None,
                 )
             except (ImportError, NameError) as err:  # installed but not importable
                 reason = f"megatron-core cannot use it ({type(err).__name__}: {err})"
@@ -168,9 +175,11 @@ def local_spec(hf: HFModelConfig | None = None) -> ModuleSpec:
     TE's MoE layers have them (:func:`moe_keys_map`)."""
     from vapo_megatron.models.layer_spec import local_layer_spec
 
+    mla = hf is not None and hf.mla is not None
     spec = local_layer_spec(
         qk_layernorm=hf is not None and hf.qk_layernorm,
         num_experts=hf.num_experts or None if hf is not None else None,
+        multi_latent_attention=mla,
     )
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
@@ -181,8 +190,30 @@ def local_spec(hf: HFModelConfig | None = None) -> ModuleSpec:
     if hf is not None and hf.qk_layernorm:
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = RMSNorm
-        attention.k_layernorm = RMSNorm
+        if mla:  # the compressed query's and key/value's norms (q_a/kv_a_layernorm)
+            attention.kv_layernorm = RMSNorm
+        else:
+            attention.k_layernorm = RMSNorm
     return spec
+
+
+def dense_layer_spec(spec: ModuleSpec, kind: LayerSpecKind) -> ModuleSpec:
+    """The dense-MLP layer of an MoE model's layer spec ``spec`` (DeepSeek-V3/GLM-4.5's first
+    ``first_k_dense`` layers): the same attention and norms, megatron's ``MLP`` of the spec's
+    kind. Under TE the pre-MLP norm fuses into fc1 as in a dense model; the local spec keeps
+    its norm module, whose checkpoint key is TE's fused name as in a dense local layer."""
+    sub = spec.submodules
+    mlp = get_mlp_module_spec(use_te=kind == "te", num_experts=None)
+    keys_map = dict(sub.sharded_state_dict_keys_map)
+    pre_mlp = sub.pre_mlp_layernorm
+    if kind == "te":
+        pre_mlp = IdentityOp
+    else:
+        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    dense = dataclasses.replace(
+        sub, mlp=mlp, pre_mlp_layernorm=pre_mlp, sharded_state_dict_keys_map=keys_map
+    )
+    return dataclasses.replace(spec, submodules=dense)
 
 
 def moe_keys_map(keys_map: dict[str, str]) -> dict[str, str]:
@@ -209,6 +240,8 @@ def layer_spec_kind(spec: ModuleSpec) -> LayerSpecKind:
     ``layer_spec`` of the model's ``ModelRecord``. ValueError for anything else (e.g. TE's op
     fuser MLP), whose parameter names the record does not know."""
     sub = spec.submodules
+    if _is_mla(spec):
+        return _mla_spec_kind(spec)
     norms = [getattr(x, "module", x) for x in (sub.input_layernorm, sub.pre_mlp_layernorm)]
     mlp = getattr(sub.mlp, "module", None)
     linears = [sub.self_attention.submodules.linear_qkv]
@@ -232,6 +265,29 @@ def layer_spec_kind(spec: ModuleSpec) -> LayerSpecKind:
     )
 
 
+def _is_mla(spec: ModuleSpec) -> bool:
+    return getattr(spec.submodules.self_attention, "module", None) is MLASelfAttention
+
+
+def _mla_spec_kind(spec: ModuleSpec) -> LayerSpecKind:
+    """An MLA layer's kind: TE fuses the q/kv norms into ``linear_q_up_proj`` /
+    ``linear_kv_up_proj`` and keeps ``input_layernorm`` (gpt_layer_specs.py, MLA branch);
+    the local spec has every norm a module (the MoE layer of either keeps its pre-MLP norm)."""
+    attention = spec.submodules.self_attention.submodules
+    up = [
+        getattr(x, "module", x) for x in (attention.linear_q_up_proj, attention.linear_kv_up_proj)
+    ]
+    fused = [_is_te_norm_linear(x) for x in up]
+    if all(fused):
+        return "te"
+    if not any(fused) and attention.kv_layernorm not in (None, IdentityOp):
+        return "local"
+    raise ValueError(
+        f"MLA layer spec with up projections {up} and kv norm {attention.kv_layernorm}: the "
+        "model record knows megatron-core's local MLA spec (qk_layernorm=True) and TE's"
+    )
+
+
 def uses_grouped_experts(spec: ModuleSpec) -> bool:
     """Whether the spec's MoE experts are one grouped-GEMM module (TE's ``TEGroupedMLP``,
     weights ``linear_fc1.weight{j}``) rather than ``SequentialMLP`` (``local_experts.{j}``);
@@ -247,13 +303,19 @@ def check_spec_fits(hf: HFModelConfig, spec: ModuleSpec) -> None:
     """ValueError when the layer spec lacks what ``hf`` computes (qk norms, experts) or has
     what it does not: the model would build and load, then compute something else."""
     attention = spec.submodules.self_attention.submodules
-    has_qk = attention.q_layernorm not in (None, IdentityOp)
+    mla = _is_mla(spec)
+    if mla and layer_spec_kind(spec) == "te":
+        has_qk = True  # fused into the up projections
+    else:
+        has_qk = attention.q_layernorm not in (None, IdentityOp)
     has_moe = getattr(spec.submodules.mlp, "module", None) is MoELayer
-    if has_qk != hf.qk_layernorm or has_moe != hf.is_moe:
+    want_mla = hf.mla is not None
+    if has_qk != hf.qk_layernorm or has_moe != hf.is_moe or mla != want_mla:
         raise ValueError(
             f"the layer spec has qk norms={has_qk}, MoE={has_moe} but the {hf.family} model "
-            f"has qk norms={hf.qk_layernorm}, MoE={hf.is_moe}: build the spec for this model "
-            "(default_layer_spec(hf) or local_spec(hf))"
+            f"has qk norms={hf.qk_layernorm}, MoE={hf.is_moe} (latent attention: spec {mla}, "
+            f"model {want_mla}): build the spec for this model (default_layer_spec(hf) or "
+            "local_spec(hf))"
         )
 
 
@@ -317,11 +379,29 @@ def _block_spec(
     config: TransformerConfig, layer_spec: ModuleSpec, vp_stage: int | None, pp_rank: int
 ):
     """Layer spec -> block spec. With our RMSNorm in the layers, the final norm is ours too
-    (megatron's default final norm is the torch fallback, which refuses sequence parallelism)."""
-    if layer_spec.submodules.input_layernorm is not RMSNorm:
+    (megatron's default final norm is the torch fallback, which refuses sequence parallelism).
+    An MoE model with dense layers (``moe_layer_freq`` a list: DeepSeek-V3, GLM-4.5) gets
+    :func:`dense_layer_spec` at its dense layers; under TE megatron's own block spec, which
+    builds the same two layer specs."""
+    mixed = isinstance(config.moe_layer_freq, list)
+    local = layer_spec.submodules.input_layernorm is RMSNorm
+    if not local and not mixed:
         return layer_spec
+    if not local:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization="RMSNorm",
+            vp_stage=vp_stage, pp_rank=pp_rank,
+        )  # fmt: skip
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * count, layer_norm=RMSNorm)
+    specs = [layer_spec] * count
+    if mixed:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        dense = dense_layer_spec(layer_spec, "local")
+        pattern = config.moe_layer_freq[offset : offset + count]
+        specs = [layer_spec if is_moe else dense for is_moe in pattern]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
 
 
 def build_model(
@@ -361,6 +441,7 @@ def build_model(
     check_spec_fits(hf, layer_spec)
     if hf.is_moe:
         apply_moe_cpu_shim()  # nothing on a GPU
+    apply_megatron_patches()  # the model's own TP group in megatron's attention; MLA on CPU
     check_local_attention_fits(layer_spec_kind(layer_spec), cp=config.context_parallel_size)
     tp = config.tensor_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size

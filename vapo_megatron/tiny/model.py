@@ -33,7 +33,11 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     GenerationConfig,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -71,6 +75,8 @@ TINY_FAMILIES = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 """The HF model types a tiny model can be built as (:func:`tiny_model_config`), and the class
 built for each."""
@@ -184,6 +190,82 @@ def tiny_qwen3_config(
     )
 
 
+def _tiny_sigmoid_moe(tokenizer: PreTrainedTokenizerFast, num_layers: int) -> dict[str, Any]:
+    """What a tiny DeepSeek-V3 and GLM-4.5 share: hidden 64, 4 heads, dense width 128, the
+    first layer dense, 8 routed experts of width 32 (even: expert TP 2) in 4 groups, top 4
+    from the best 2 groups (top_k / topk_group = 2, the ratio at which transformers' and
+    megatron's group scores agree), one shared expert, weights renormalised and scaled 2.5."""
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+
+
+def tiny_deepseek_v3_config(
+    tokenizer: PreTrainedTokenizerFast, *, num_layers: int = 3, yarn: bool = False
+) -> DeepseekV3Config:
+    """A tiny DeepSeek-V3 (:func:`_tiny_sigmoid_moe`) with MLA: q_lora_rank 32, kv_lora_rank
+    32, per head 16 dims without RoPE + 16 with, values 16. ``yarn``: DeepSeek-V3's YaRN
+    scaling (factor 4 over 256 positions, mscale = mscale_all_dim = 1), else plain RoPE.
+    Splits at TP 2 (heads, the compressed widths), PP 2 (layers), EP 2 (experts)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
+    if yarn:
+        rope = {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0,
+        }  # fmt: skip
+    return DeepseekV3Config(
+        **_tiny_sigmoid_moe(tokenizer, num_layers),
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        rope_parameters=rope,
+        rope_interleave=True,
+        attention_bias=False,
+    )
+
+
+def tiny_glm4_moe_config(
+    tokenizer: PreTrainedTokenizerFast, *, num_layers: int = 3
+) -> Glm4MoeConfig:
+    """A tiny GLM-4.5 (:func:`_tiny_sigmoid_moe`): 4 query heads, 2 KV heads of head_dim 64
+    (a width vLLM's CPU attention takes), q/k/v biases, qk norms (GLM-4.5's; Air has none),
+    RoPE on the first half of each head (``partial_rotary_factor`` 0.5)."""
+    return Glm4MoeConfig(
+        **_tiny_sigmoid_moe(tokenizer, num_layers),
+        num_key_value_heads=2,
+        head_dim=64,
+        attention_bias=True,
+        use_qk_norm=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+        partial_rotary_factor=0.5,
+    )
+
+
 def tiny_model_config(
     tokenizer: PreTrainedTokenizerFast, family: str = "qwen2", *, tie_word_embeddings: bool = False
 ) -> PretrainedConfig:
@@ -196,6 +278,11 @@ def tiny_model_config(
         return tiny_qwen3_config(
             tokenizer, moe=family == "qwen3_moe", tie_word_embeddings=tie_word_embeddings
         )
+    if family in ("deepseek_v3", "glm4_moe"):
+        make = tiny_deepseek_v3_config if family == "deepseek_v3" else tiny_glm4_moe_config
+        config = make(tokenizer)
+        config.tie_word_embeddings = tie_word_embeddings
+        return config
     raise ValueError(
         f"tiny model family {family!r} is not known; choose one of {list(TINY_FAMILIES)}"
     )

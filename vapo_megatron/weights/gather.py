@@ -99,11 +99,16 @@ def load_hf_weights(
 def chunk_parameters(
     model: torch.nn.Module, record: ModelRecord, chunk: ModelChunk
 ) -> dict[str, torch.nn.Parameter]:
-    """The parameters of one (possibly wrapped) model chunk by name; ValueError unless they are
+    """The parameters (and the persistent buffers the record names: a sigmoid router's
+    ``expert_bias``) of one (possibly wrapped) model chunk by name; ValueError unless they are
     exactly the record's tensors of ``chunk`` (e.g. a record of the local spec for a model built
     with Transformer Engine's: build it with ``layer_spec=provider.layer_spec_kind(spec)``)."""
-    params = dict(unwrap_model(model).named_parameters())
+    module = unwrap_model(model)
     names = record.tensor_maps(chunk)
+    params = dict(module.named_parameters())
+    # The persistent buffers the record names (a sigmoid router's expert_bias) travel as
+    # weights too: HF stores them, vLLM routes with them.
+    params |= {name: buffer for name, buffer in module.named_buffers() if name in names}
     if set(params) != set(names):
         raise ValueError(
             f"record (layer_spec={record.layer_spec!r}) and model disagree on layers "
@@ -350,6 +355,8 @@ def _hf_tensors(
     elif m.split is Split.GATE_UP:
         halves = full.view(tp_size, 2, -1, *rest)
         parts = [halves[:, 0], halves[:, 1]]
+    elif m.split is Split.COLUMN:  # the shards stacked are the HF tensor
+        parts = [full]
     elif m.split is Split.ROW:  # the shards side by side along dim 1
         parts = [full.view(tp_size, -1, *rest).transpose(0, 1)]
     else:

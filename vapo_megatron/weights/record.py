@@ -137,6 +137,9 @@ class Split(enum.Enum):
     """Every rank holds the whole tensor (norms, the value head)."""
     ROW = "row"
     """Row-parallel linear: dim 1 (the input features) in TP equal chunks."""
+    COLUMN = "column"
+    """Column-parallel linear: dim 0 (the output features) in TP equal chunks (MLA's
+    projections; HF's per-head row order is megatron's)."""
     VOCAB = "vocab"
     """Vocab-parallel: zero rows pad dim 0 to the padded vocabulary, then TP equal chunks."""
     QKV = "qkv"
@@ -310,6 +313,58 @@ _MOE_PRE_MLP_NORM = (
     ("post_attention_layernorm.weight",),
     Split.REPLICATED,
 )
+# An MoE layer's expert-score bias (DeepSeek-V3/GLM-4.5, sigmoid routers): megatron's
+# ``TopKRouter.expert_bias``, a persistent fp32 buffer (not a parameter), replicated.
+_EXPERT_BIAS_MAP = (
+    "mlp.router.expert_bias",
+    "mlp.router.expert_bias",
+    ("mlp.gate.e_score_correction_bias",),
+    Split.REPLICATED,
+)
+# Shared experts (megatron ``SharedExpertMLP``, a dense SwiGLU split over TP, not expert TP).
+_SHARED_EXPERT_MAPS = (
+    (
+        "mlp.shared_experts.linear_fc1.weight",
+        "mlp.shared_experts.linear_fc1.weight",
+        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+        Split.GATE_UP,
+    ),
+    (
+        "mlp.shared_experts.linear_fc2.weight",
+        "mlp.shared_experts.linear_fc2.weight",
+        ("mlp.shared_experts.down_proj.weight",),
+        Split.ROW,
+    ),
+)
+_MLA = "self_attention."
+# DeepSeek-V3's MLA (``MLASelfAttention``), as (local name, TE name, HF names, split under the
+# local spec, split under TE). The local spec's down projections are column-parallel (their
+# outputs gathered before the split into latent and RoPE key); TE's are replicated TELinear;
+# TE fuses the q/kv norms into the up projections and keeps input_layernorm a module.
+_MLA_MAPS: tuple[tuple[str, str, tuple[str, ...], Split, Split], ...] = (
+    ("input_layernorm.weight", "input_layernorm.weight", ("input_layernorm.weight",),
+     Split.REPLICATED, Split.REPLICATED),
+    (f"{_MLA}linear_q_down_proj.weight", f"{_MLA}linear_q_down_proj.weight",
+     ("self_attn.q_a_proj.weight",), Split.COLUMN, Split.REPLICATED),
+    (f"{_MLA}q_layernorm.weight", f"{_MLA}linear_q_up_proj.layer_norm_weight",
+     ("self_attn.q_a_layernorm.weight",), Split.REPLICATED, Split.REPLICATED),
+    (f"{_MLA}linear_q_up_proj.weight", f"{_MLA}linear_q_up_proj.weight",
+     ("self_attn.q_b_proj.weight",), Split.COLUMN, Split.COLUMN),
+    (f"{_MLA}linear_kv_down_proj.weight", f"{_MLA}linear_kv_down_proj.weight",
+     ("self_attn.kv_a_proj_with_mqa.weight",), Split.COLUMN, Split.REPLICATED),
+    (f"{_MLA}kv_layernorm.weight", f"{_MLA}linear_kv_up_proj.layer_norm_weight",
+     ("self_attn.kv_a_layernorm.weight",), Split.REPLICATED, Split.REPLICATED),
+    (f"{_MLA}linear_kv_up_proj.weight", f"{_MLA}linear_kv_up_proj.weight",
+     ("self_attn.kv_b_proj.weight",), Split.COLUMN, Split.COLUMN),
+    (f"{_MLA}linear_proj.weight", f"{_MLA}linear_proj.weight", ("self_attn.o_proj.weight",),
+     Split.ROW, Split.ROW),
+)  # fmt: skip
+# Without q_lora_rank (Moonlight) the query is one full projection, in place of rows 1-3.
+_MLA_FULL_Q = (
+    f"{_MLA}linear_q_proj.weight", f"{_MLA}linear_q_proj.weight", ("self_attn.q_proj.weight",),
+    Split.COLUMN, Split.COLUMN,
+)  # fmt: skip
+_DENSE_MLP_SUFFIXES = frozenset(f"mlp.{name}_proj.weight" for name in ("gate", "up", "down"))
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
 
@@ -347,6 +402,11 @@ class ModelRecord:
 
     # ----- names -----
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` has an MoE MLP (DeepSeek-V3/GLM-4.5's first
+        ``first_k_dense`` layers are dense)."""
+        return self.config.is_moe and layer >= self.config.first_k_dense
+
     def tensor_maps(self, chunk: ModelChunk) -> dict[str, TensorMap]:
         """Every Megatron parameter of ``chunk`` (by local name, under this record's layer spec),
         in the record's fixed order: the embedding, each layer, the final norm, the output layer
@@ -362,20 +422,22 @@ class ModelRecord:
         key, out_of_range = hf_name, False
         layer = _HF_LAYER.fullmatch(hf_name)
         if layer is not None:
-            key, out_of_range = (
-                f"model.layers.*.{layer[2]}",
-                int(layer[1]) >= self.config.num_layers,
-            )
+            index = int(layer[1])
+            key, out_of_range = f"model.layers.*.{layer[2]}", index >= self.config.num_layers
             expert = _HF_EXPERT.fullmatch(layer[2])
             if expert is not None:
                 key = f"model.layers.*.mlp.experts.*.{expert[2]}"
                 out_of_range |= int(expert[1]) >= self.config.num_experts
+            if layer[2].startswith("mlp.") and not out_of_range:  # dense or MoE layer's names
+                dense_name = layer[2] in _DENSE_MLP_SUFFIXES
+                out_of_range = dense_name == self.is_moe_layer(index)
         shape = _hf_shapes(self).get(key)
         if shape is None or out_of_range:
             raise ValueError(
                 f"unknown HF tensor {hf_name!r} for a {self.config.family} model with "
-                f"{self.config.num_layers} layers, {self.config.num_experts} experts, "
-                f"head={self.head!r}, tie_word_embeddings={self.config.tie_word_embeddings}"
+                f"{self.config.num_layers} layers (the first {self.config.first_k_dense} "
+                f"dense), {self.config.num_experts} experts, head={self.head!r}, "
+                f"tie_word_embeddings={self.config.tie_word_embeddings}"
             )
         return shape
 
@@ -458,6 +520,8 @@ class ModelRecord:
             return parts[0]
         if m.split is Split.ROW:
             return _piece(parts[0], 1, tp_rank, tp_size)
+        if m.split is Split.COLUMN:
+            return _piece(parts[0], 0, tp_rank, tp_size)
         if m.split is Split.VOCAB:
             # Zero rows pad the vocabulary; padded logits are masked by the log-prob code.
             full = parts[0]
@@ -516,6 +580,8 @@ class ModelRecord:
             return [shards[0]]
         if m.split is Split.ROW:
             return [torch.cat(list(shards), dim=1)]
+        if m.split is Split.COLUMN:
+            return [torch.cat(list(shards))]
         if m.split is Split.VOCAB:
             vocab, rows = self.config.vocab_size, shards[0].shape[0]
             real = [shard[: max(0, vocab - rank * rows)] for rank, shard in enumerate(shards)]
@@ -544,7 +610,7 @@ class ModelRecord:
             return (first, rest[0] // tp_size)
         if m.split is Split.VOCAB:
             return (self._padded_vocab(tp_size) // tp_size, *rest)
-        rows = sum(self.hf_shape(name)[0] for name in m.hf_names)  # QKV, GATE_UP
+        rows = sum(self.hf_shape(name)[0] for name in m.hf_names)  # QKV, GATE_UP, COLUMN
         return (rows // tp_size, *rest)
 
     def _check_parallel(self, tp_rank: int, tp_size: int, chunk: ModelChunk) -> None:
@@ -553,17 +619,31 @@ class ModelRecord:
             raise ValueError(f"tp_rank={tp_rank} is not in [0, tp_size={tp_size})")
         heads, groups = cfg.num_attention_heads, cfg.num_key_value_heads
         qkv_rows = (heads + 2 * groups) * cfg.head_dim
+        dense_mlp = not cfg.is_moe or cfg.first_k_dense > 0
+        if cfg.mla is not None:  # column-split latent widths (the local spec's down projections)
+            mla = cfg.mla
+            widths = [mla.kv_lora_rank + mla.qk_rope_head_dim, mla.q_lora_rank or heads]
+            if any(width % tp_size for width in widths):
+                raise ValueError(
+                    f"TP={tp_size} must divide q_lora_rank={mla.q_lora_rank} and kv_lora_rank + "
+                    f"qk_rope_head_dim={widths[0]} (megatron's local MLA splits the down "
+                    "projections over TP); choose another TP"
+                )
+            groups, qkv_rows = heads, 0
+        shared = cfg.moe_intermediate_size * cfg.num_shared_experts
         if (
             heads % tp_size
             or (groups % tp_size and tp_size % groups)
             or qkv_rows % tp_size
-            or (not cfg.is_moe and cfg.intermediate_size % tp_size)
+            or (dense_mlp and cfg.intermediate_size % tp_size)
+            or shared % tp_size
         ):
             raise ValueError(
                 f"TP={tp_size} does not fit this model: megatron-core needs TP to divide "
-                f"num_attention_heads={heads}, intermediate_size={cfg.intermediate_size} and "
-                f"the fused QKV rows={qkv_rows}, and num_key_value_heads={groups} to be a "
-                "multiple or a divisor of TP; choose another TP"
+                f"num_attention_heads={heads}, intermediate_size={cfg.intermediate_size}, the "
+                f"shared experts' width={shared} and the fused QKV rows={qkv_rows}, and "
+                f"num_key_value_heads={groups} to be a multiple or a divisor of TP; choose "
+                "another TP"
             )
         if chunk.layers.step != 1 or chunk.layers.start < 0 or chunk.layers.stop > cfg.num_layers:
             raise ValueError(f"layers {chunk.layers} are not within the model's {cfg.num_layers}")
@@ -597,21 +677,12 @@ def _tensor_maps(record: ModelRecord, chunk: ModelChunk) -> dict[str, TensorMap]
                 "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Split.VOCAB
             )
         )
-    cfg = record.config
-    if cfg.is_moe:  # attention, its norms, the pre-MLP norm; the router and experts follow
-        layer_maps = _LAYER_MAPS[:3] + (_MOE_PRE_MLP_NORM,)
-    else:
-        layer_maps = _LAYER_MAPS
-    layer_maps += (_QKV_BIAS_MAP,) if cfg.qkv_bias else ()
-    layer_maps += _QK_NORM_MAPS if cfg.qk_layernorm else ()
-    layer_maps += (_ROUTER_MAP,) if cfg.is_moe else ()
-    te = record.layer_spec == "te"
     for local, layer in enumerate(chunk.layers):
-        for local_suffix, te_suffix, hf_suffixes, split in layer_maps:
-            megatron_suffix = te_suffix if te else local_suffix
+        moe = record.is_moe_layer(layer)
+        for megatron_suffix, hf_suffixes, split in _layer_maps(record, moe):
             hf_names = tuple(f"model.layers.{layer}.{suffix}" for suffix in hf_suffixes)
             maps.append(TensorMap(f"decoder.layers.{local}.{megatron_suffix}", hf_names, split))
-        if cfg.is_moe:
+        if moe:
             maps.extend(_expert_maps(record, chunk, local, layer))
     if chunk.has_output:
         maps.append(
@@ -631,6 +702,32 @@ def _tensor_maps(record: ModelRecord, chunk: ModelChunk) -> dict[str, TensorMap]
                 )
             )
     return {m.megatron_name: m for m in maps}
+
+
+@functools.cache
+def _layer_maps(record: ModelRecord, moe: bool) -> tuple[tuple[str, tuple[str, ...], Split], ...]:
+    """(Megatron suffix under the record's spec, HF suffixes, split) of one decoder layer,
+    routed experts excepted: attention (GQA with its bias and q/k norms, or MLA), then the
+    dense MLP or the MoE layer's pre-MLP norm, router, expert bias and shared experts."""
+    cfg, te = record.config, record.layer_spec == "te"
+    if moe:
+        mlp = (_MOE_PRE_MLP_NORM,)
+        extra = (_ROUTER_MAP,) + ((_EXPERT_BIAS_MAP,) if cfg.router_score == "sigmoid" else ())
+        extra += _SHARED_EXPERT_MAPS if cfg.num_shared_experts else ()
+    else:
+        mlp, extra = _LAYER_MAPS[3:], ()
+    if cfg.mla is not None:
+        mla = _MLA_MAPS if cfg.mla.q_lora_rank is not None else (
+            _MLA_MAPS[:1] + (_MLA_FULL_Q,) + _MLA_MAPS[4:]
+        )  # fmt: skip
+        rows = [(t if te else loc, hf, ts if te else ls) for loc, t, hf, ls, ts in mla]
+        rest = mlp + extra
+    else:  # the order of the Qwen/Llama records: attention, MLP, biases, norms, router
+        rows = []
+        rest = _LAYER_MAPS[:3] + mlp + ((_QKV_BIAS_MAP,) if cfg.qkv_bias else ())
+        rest += (_QK_NORM_MAPS if cfg.qk_layernorm else ()) + extra
+    rows += [(t if te else loc, hf, split) for loc, t, hf, split in rest]
+    return tuple(rows)
 
 
 def _expert_maps(record: ModelRecord, chunk: ModelChunk, local: int, layer: int) -> list[TensorMap]:
@@ -680,21 +777,15 @@ def _hf_shapes(record: ModelRecord) -> dict[str, tuple[int, ...]]:
                 "self_attn.v_proj.bias": (kv_rows,),
             }
         )
-    if cfg.qk_layernorm:
+    if cfg.qk_layernorm and cfg.mla is None:
         layer.update({"self_attn.q_norm.weight": (cfg.head_dim,)})
         layer.update({"self_attn.k_norm.weight": (cfg.head_dim,)})
-    if cfg.is_moe:  # experts written as mlp.experts.*; hf_shape checks the index
-        width = cfg.moe_intermediate_size
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            del layer[f"mlp.{name}.weight"]
-        layer.update(
-            {
-                "mlp.gate.weight": (cfg.num_experts, hidden),
-                "mlp.experts.*.gate_proj.weight": (width, hidden),
-                "mlp.experts.*.up_proj.weight": (width, hidden),
-                "mlp.experts.*.down_proj.weight": (hidden, width),
-            }
-        )
+    if cfg.is_moe:  # experts written as mlp.experts.*; hf_shape checks the index and layer
+        layer.update(_moe_shapes(cfg))
+    if cfg.mla is not None:
+        for name in ("q", "k", "v", "o"):
+            del layer[f"self_attn.{name}_proj.weight"]
+        layer.update(_mla_shapes(cfg))
     shapes = {f"model.layers.*.{name}": shape for name, shape in layer.items()}
     shapes["model.embed_tokens.weight"] = (cfg.vocab_size, hidden)
     shapes["model.norm.weight"] = (hidden,)
@@ -702,6 +793,46 @@ def _hf_shapes(record: ModelRecord) -> dict[str, tuple[int, ...]]:
         shapes["score.weight"] = (1, hidden)
     elif not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, hidden)
+    return shapes
+
+
+def _moe_shapes(cfg: HFModelConfig) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's HF shapes (router, its bias, routed and shared experts)."""
+    hidden, width = cfg.hidden_size, cfg.moe_intermediate_size
+    shapes = {
+        "mlp.gate.weight": (cfg.num_experts, hidden),
+        "mlp.experts.*.gate_proj.weight": (width, hidden),
+        "mlp.experts.*.up_proj.weight": (width, hidden),
+        "mlp.experts.*.down_proj.weight": (hidden, width),
+    }
+    if cfg.router_score == "sigmoid":
+        shapes["mlp.gate.e_score_correction_bias"] = (cfg.num_experts,)
+    if cfg.num_shared_experts:
+        shared = width * cfg.num_shared_experts
+        shapes["mlp.shared_experts.gate_proj.weight"] = (shared, hidden)
+        shapes["mlp.shared_experts.up_proj.weight"] = (shared, hidden)
+        shapes["mlp.shared_experts.down_proj.weight"] = (hidden, shared)
+    return shapes
+
+
+def _mla_shapes(cfg: HFModelConfig) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's attention shapes (transformers' ``DeepseekV3Attention``)."""
+    mla, hidden, heads = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
+    shapes = {
+        "self_attn.kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, hidden),
+        "self_attn.kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        "self_attn.kv_b_proj.weight": (
+            heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+            mla.kv_lora_rank,
+        ),
+        "self_attn.o_proj.weight": (hidden, heads * mla.v_head_dim),
+    }
+    if mla.q_lora_rank is None:
+        shapes["self_attn.q_proj.weight"] = (heads * mla.q_head_dim, hidden)
+    else:
+        shapes["self_attn.q_a_proj.weight"] = (mla.q_lora_rank, hidden)
+        shapes["self_attn.q_a_layernorm.weight"] = (mla.q_lora_rank,)
+        shapes["self_attn.q_b_proj.weight"] = (heads * mla.q_head_dim, mla.q_lora_rank)
     return shapes
 
 
