@@ -28,17 +28,31 @@ LOGIT_CHUNK_BYTES = 16
 
 def layer_elements(hf: HFModelConfig, layout: ModelLayout) -> tuple[float, float]:
     """(split over TP under sequence parallelism, replicated without it): bf16 elements one
-    token of one layer keeps for backward, summed over the TP ranks."""
-    q = hf.num_attention_heads * hf.head_dim
-    kv = hf.num_key_value_heads * hf.head_dim
-    sharded = q + 2 * kv * layout.cp + q  # q, k, v (+ CP ring copies), attention output
+    token of one layer keeps for backward, summed over the TP ranks. A model with dense first
+    layers and MoE ones (DeepSeek-V3, GLM-4.5) is counted at its larger layer for every layer.
+    Multi-head latent attention keeps its per-head q, k (nope + rope) and v, the attention
+    output, and, whole on every TP rank, the compressed q and kv (norm and up-projection
+    inputs)."""
+    mla, cp, h = hf.mla, layout.cp, hf.hidden_size
+    replicated = 4 * h  # norm inputs and projection inputs
+    if mla is None:
+        q = hf.num_attention_heads * hf.head_dim
+        kv = hf.num_key_value_heads * hf.head_dim
+        sharded = q + 2 * kv * cp + q  # q, k, v (+ CP ring copies), attention output
+    else:
+        heads = hf.num_attention_heads
+        qk, v = heads * mla.q_head_dim, heads * mla.v_head_dim
+        sharded = qk + (qk + v) * cp + v
+        compressed = (mla.q_lora_rank or 0) + mla.kv_lora_rank + mla.qk_rope_head_dim
+        replicated += 2 * compressed
+    mlp = 3 * hf.intermediate_size if hf.first_k_dense or not hf.is_moe else 0  # fc1 out, fc2 in
     if hf.is_moe:
         etp, f = layout.expert_tp, hf.moe_intermediate_size
-        sharded += hf.moe_top_k * (etp * hf.hidden_size + 3 * f)  # routed rows: h, 2f, f
-        sharded += 2 * hf.num_experts  # fp32 router probabilities
-    else:
-        sharded += 3 * hf.intermediate_size  # fc1 output (both SwiGLU halves), fc2 input
-    return sharded, 4 * hf.hidden_size  # norm inputs and projection inputs
+        moe = hf.moe_top_k * (etp * h + 3 * f)  # routed rows: h, 2f, f
+        moe += 2 * hf.num_experts  # fp32 router probabilities
+        moe += 3 * f * hf.num_shared_experts  # shared experts: fc1 out, fc2 in
+        mlp = max(mlp, moe)
+    return sharded + mlp, replicated
 
 
 def dispatch_buffer_bytes(hf: HFModelConfig, layout: ModelLayout, tokens: int) -> int:

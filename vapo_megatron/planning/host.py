@@ -17,7 +17,14 @@ from typing import Literal
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import Head, HFModelConfig
-from vapo_megatron.planning.params import shard_param_split, shard_tensor_numels
+from vapo_megatron.planning.params import (
+    MEGATRON_BUILDS_MTP,
+    is_moe_layer,
+    layer_replicated_count,
+    moe_layer_count,
+    shard_param_split,
+    shard_tensor_numels,
+)
 from vapo_megatron.planning.workload import GIB, Workload
 
 VLLM_CUDA_GRAPHS = 1 * GIB
@@ -58,13 +65,17 @@ def distributed_optimizer(work: Workload, head: Head) -> bool:
 def tp_replicated_param_count(
     hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int
 ) -> int:
-    """Parameters every TP rank of a stage holds whole: the RMSNorm weights (q and k norms
-    too), the MoE router (and the value head). A checkpoint stores them once, from TP rank 0."""
-    per_layer = 2 * hf.hidden_size + (2 * hf.head_dim if hf.qk_layernorm else 0)
-    per_layer += hf.num_experts * hf.hidden_size  # the router; 0 for a dense model
-    count = per_layer * hf.num_layers // layout.pp
+    """Parameters every TP rank of a stage holds whole: the RMSNorm weights (q and k norms,
+    MLA's q and kv norms too), the MoE routers (and the value head; the multi-token-prediction
+    layers' norms and router on the last stage). A checkpoint stores them once, from TP rank 0."""
+    per_stage = hf.num_layers // layout.pp
+    layers = range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    count = sum(layer_replicated_count(hf, moe=is_moe_layer(hf, n)) for n in layers)
     if pp_rank == layout.pp - 1:
         count += hf.hidden_size * (2 if head == "value" else 1)  # final norm, value head
+        if head == "lm" and MEGATRON_BUILDS_MTP:  # enorm, hnorm, final norm, the layer's
+            last = layer_replicated_count(hf, moe=is_moe_layer(hf, hf.num_layers - 1))
+            count += hf.mtp_num_layers * (3 * hf.hidden_size + last)
     return count
 
 
@@ -169,7 +180,7 @@ def step_tokens(work: Workload) -> int:
 def route_host_parts(models: Models, work: Workload) -> dict[str, HostPart]:
     """Ordinary (not pinned) host memory of routing replay on the rank that holds the most:
     a rollout replica's first rank (``step/engine_routes.py``, ``step/critic_routes.py``).
-    Routes are int16 [tokens, layers, top_k]; a rank keeps its DP share of the step's over its
+    Routes are int16 [tokens, MoE layers, top_k]; a rank keeps its DP share of the step's over its
     stage's layers (1 / PP of them). The holder keeps its replica's share of the step's over
     every layer (the store), and while it sends them, one round's buffer: each sample once
     over every stage's layers, the store's size; each rank then puts what it received in
@@ -179,7 +190,7 @@ def route_host_parts(models: Models, work: Workload) -> dict[str, HostPart]:
     parts: dict[str, HostPart] = {}
     hf, layout = models["lm"]
     if work.routing_replay and hf.is_moe:
-        step = tokens * hf.num_layers * hf.moe_top_k * 2
+        step = tokens * moe_layer_count(hf) * hf.moe_top_k * 2
         store = math.ceil(step / (work.world_size // work.rollout_tp))
         dp = work.world_size // (layout.tp * layout.pp * layout.cp)
         share = math.ceil(step / dp / layout.pp)
@@ -201,7 +212,7 @@ def route_host_parts(models: Models, work: Workload) -> dict[str, HostPart]:
     critic = models.get("value")
     if critic is not None and work.critic_routing_replay and critic[0].is_moe:
         chf, clayout = critic
-        step = tokens * chf.num_layers * chf.moe_top_k * 2
+        step = tokens * moe_layer_count(chf) * chf.moe_top_k * 2
         dp = work.world_size // (clayout.tp * clayout.pp * clayout.cp)
         share = math.ceil(step / dp / clayout.pp)
         parts["critic_routes"] = HostPart(

@@ -42,8 +42,9 @@ The model behind ``tools/plan.py``. Every figure is labelled in its output as on
   experts / TP whole ones): the same bytes per rank. Asleep it holds nothing on the device (level 1 keeps a
   host copy of the weights, level 2 nothing). Outside every count, a reserve per GPU: the CUDA
   context, NCCL buffers per communicator in use, and allocator fragmentation
-  (``reserve_parts``). Rollout time: decode is memory-bound, so a step reads the weight shard
-  and the batch's KV once per generated token (``rollout_seconds``). The weight sync: one
+  (``reserve_parts``). Rollout time: ``planning/vllm.py::decode`` (memory- or compute-bound decode steps
+  plus the collectives' latency; ``rollout_seconds``); MLA's KV cache is its compressed kv
+  and RoPE key, whole on every vLLM TP rank. The weight sync: one
   message in flight (``SYNC_BUCKET``) and what vLLM holds while a module loads
   (:func:`sync_hold_bytes`: a whole MoE layer's experts as full HF tensors).
 
@@ -87,8 +88,15 @@ from vapo_megatron.planning.host import (
     distributed_optimizer,
     pinned_parts,
 )
-from vapo_megatron.planning.params import shard_param_split, total_param_count
+from vapo_megatron.planning.params import shard_param_split
 from vapo_megatron.planning.presets import GPUSpec
+from vapo_megatron.planning.vllm import (
+    Decode,
+    RolloutLayout,
+    decode,
+    kv_bytes_per_token,
+    vllm_weight_bytes,
+)
 from vapo_megatron.planning.workload import GIB, Workload
 
 VLLM_OVERHEAD = int(1.5 * GIB)
@@ -98,8 +106,6 @@ CUDA_CONTEXT = int(0.6 * GIB)
 """CUDA context and kernels' modules per process (an estimate)."""
 NCCL_PER_COMMUNICATOR = GIB // 4
 """Buffers of one NCCL communicator (channels x peers x NCCL_BUFFSIZE; an estimate)."""
-DECODE_EFFICIENCY = 0.5
-"""Share of the HBM bandwidth a decode step reaches (an estimate)."""
 SYNC_BUCKET = 256 << 20
 """rollout.weight_bucket_bytes default: extra memory of one weight-sync message."""
 
@@ -127,6 +133,8 @@ class Plan:
     policy: ModelLayout
     critic: ModelLayout | None
     workload: Workload
+    hf: HFModelConfig
+    """The policy's model (what vLLM serves)."""
     policy_memory: ModelMemory
     critic_memory: ModelMemory | None
     phases: dict[str, int]
@@ -167,23 +175,20 @@ class Plan:
 
     @property
     def rollout_seconds(self) -> float:
-        """Estimated generation time of one step: each replica decodes its share of the
-        step's responses, ``concurrent`` at a time (as many mean-length sequences as the KV
-        cache holds), each decode step reading the rank's weight shard and the batch's KV
-        (half the mean length on average) at DECODE_EFFICIENCY of the HBM bandwidth. An MoE
-        model's decode reads only the routed experts' weights per token, but a batch of
-        concurrent sequences routes to nearly every expert: the whole shard is read."""
+        """Estimated generation time of one step: every rank generates, in replicas of vLLM
+        TP (``planning/vllm.py::decode``: memory- or compute-bound decode plus the
+        collectives' latency)."""
+        return self.decode().seconds
+
+    def decode(self) -> Decode:
+        """The rollout estimate of this colocated plan (``planning/vllm.py::decode``)."""
         work = self.workload
-        replicas = work.world_size // work.rollout_tp
-        per_replica = work.samples_per_step / replicas
-        mean_response = work.response_len * work.mean_response_fraction
-        mean_len = work.prompt_len + mean_response
-        concurrent = min(per_replica, self.kv_cache / (self.kv_bytes_per_token * mean_len))
-        if concurrent < 1:
-            return math.inf
-        decode_steps = per_replica / concurrent * mean_response
-        step_bytes = self.vllm_weights + concurrent * self.kv_bytes_per_token * mean_len / 2
-        return decode_steps * step_bytes / (self.gpu.hbm_bytes_per_s * DECODE_EFFICIENCY)
+        return decode(self.hf, self.gpu, RolloutLayout(tp=work.rollout_tp),
+                      ranks=work.world_size, kv_cache=self.kv_cache,
+                      samples=work.samples_per_step, prompt_len=work.prompt_len,
+                      response_len=work.response_len,
+                      mean_response_fraction=work.mean_response_fraction,
+                      gpus_per_node=work.gpus_per_node)  # fmt: skip
 
     @property
     def fits(self) -> bool:
@@ -321,7 +326,8 @@ def plan(
     problems = check_models(models, work)
     if problems:  # the memory of a layout that cannot be built means nothing
         empty = ModelMemory(params=0, grads=0, optimizer=0, activations=0)
-        return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, policy_memory=empty,
+        return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, hf=hf,
+                    policy_memory=empty,
                     critic_memory=None, phases={}, vllm_weights=0, kv_cache=0,
                     kv_bytes_per_token=1, problems=problems, reserve={}, pinned={},
                     sync_hold=0)  # fmt: skip
@@ -334,9 +340,8 @@ def plan(
     if work.offload == "rollout":  # all off while vLLM is awake; the sync reads policy params
         during_rollout, during_sync = 0, pol.params
     vllm_budget = int(work.gpu_memory_utilization * gpu.memory_bytes)
-    vllm_weights = total_param_count(hf, head="lm") * 2 // work.rollout_tp
-    kv_heads_per_rank = max(hf.num_key_value_heads // work.rollout_tp, 1)
-    kv_per_token = 2 * hf.num_layers * kv_heads_per_rank * hf.head_dim * 2
+    vllm_weights = vllm_weight_bytes(hf, RolloutLayout(tp=work.rollout_tp))
+    kv_per_token = kv_bytes_per_token(hf, work.rollout_tp)
     graphs = 0 if work.enforce_eager else VLLM_CUDA_GRAPHS
     kv_cache = vllm_budget - vllm_weights - VLLM_OVERHEAD - graphs
     sync_hold = sync_hold_bytes(hf, work.rollout_tp)
@@ -361,7 +366,7 @@ def plan(
             f"({kv_per_token * work.sequence_len / GIB:.2f} GiB); raise the utilization or vLLM TP"
         )
     state = sum(m.params + m.optimizer for m in memory.values())
-    return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, policy_memory=pol,
+    return Plan(gpu=gpu, policy=policy, critic=critic, workload=work, hf=hf, policy_memory=pol,
                 critic_memory=cri, phases=phases, vllm_weights=vllm_weights,
                 kv_cache=max(kv_cache, 0), kv_bytes_per_token=kv_per_token,
                 problems=problems, reserve=reserve,

@@ -24,11 +24,17 @@ class GPUSpec:
     """Device memory as the driver reports it (nvidia-smi's total)."""
     hbm_bytes_per_s: float
     """Peak memory bandwidth (the datasheet's)."""
+    bf16_flops: float
+    """Peak dense bf16 tensor-core FLOP/s (the datasheet's, without sparsity)."""
 
 
 GPUS = {
-    "h100-80gb": GPUSpec(name="h100-80gb", memory_bytes=81559 << 20, hbm_bytes_per_s=3.35e12),
-    "h200-141gb": GPUSpec(name="h200-141gb", memory_bytes=143771 << 20, hbm_bytes_per_s=4.8e12),
+    "h100-80gb": GPUSpec(
+        name="h100-80gb", memory_bytes=81559 << 20, hbm_bytes_per_s=3.35e12, bf16_flops=989e12
+    ),
+    "h200-141gb": GPUSpec(
+        name="h200-141gb", memory_bytes=143771 << 20, hbm_bytes_per_s=4.8e12, bf16_flops=989e12
+    ),
 }
 
 
@@ -52,6 +58,29 @@ def _qwen3_moe(**kw: object) -> dict[str, object]:
            "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
            "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
     return _qwen3(**moe, **kw)
+
+
+def _deepseek_v3(**kw: object) -> dict[str, object]:
+    base = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+            "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "n_shared_experts": 1,
+            "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # fmt: skip
+    return {**base, **kw}
+
+
+def _glm4_moe(**kw: object) -> dict[str, object]:
+    base = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"],
+            "vocab_size": 151552, "head_dim": 128, "num_attention_heads": 96,
+            "num_key_value_heads": 8, "attention_bias": True, "partial_rotary_factor": 0.5,
+            "max_position_embeddings": 131072, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+            "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+            "norm_topk_prob": True, "num_nextn_predict_layers": 1,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # fmt: skip
+    return {**base, **kw}
 
 
 MODEL_PRESETS: dict[str, dict[str, object]] = {
@@ -85,6 +114,46 @@ MODEL_PRESETS: dict[str, dict[str, object]] = {
     "qwen3-235b-a22b": _qwen3_moe(hidden_size=4096, intermediate_size=12288,
                                   moe_intermediate_size=1536, num_hidden_layers=94,
                                   num_attention_heads=64, num_key_value_heads=4),
+    # deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct, moonshotai/Moonlight-16B-A3B,
+    # zai-org/GLM-4.5 and GLM-4.5-Air config.json (published values; the MoE and MLA sizes
+    # agree with slime's and Megatron-Bridge's scripts for them). DeepSeek-V3's weights ship in
+    # fp8 blocks: bf16 as trained here. Kimi-K2 declares model_type "kimi_k2" with
+    # architectures DeepseekV3ForCausalLM (its own modeling file, the same architecture): read
+    # as deepseek_v3. Moonlight has no q compression (q_lora_rank null) and no MTP layer.
+    # Tokenizers: DeepSeek-V3 129,280 entries; Kimi-K2 and Moonlight one tiktoken vocabulary
+    # of 163,840; GLM-4.5 and Air 151,552.
+    "deepseek-v3": _deepseek_v3(vocab_size=129280, n_routed_experts=256, n_group=8,
+                                topk_group=4, routed_scaling_factor=2.5,
+                                num_nextn_predict_layers=1, max_position_embeddings=163840,
+                                rope_theta=10000.0,
+                                rope_scaling={"type": "yarn", "factor": 40.0, "beta_fast": 32.0,
+                                              "beta_slow": 1.0, "mscale": 1.0,
+                                              "mscale_all_dim": 1.0,
+                                              "original_max_position_embeddings": 4096}),
+    "kimi-k2": _deepseek_v3(vocab_size=163840, num_attention_heads=64, num_key_value_heads=64,
+                            n_routed_experts=384, n_group=1, topk_group=1,
+                            routed_scaling_factor=2.827, first_k_dense_replace=1,
+                            num_nextn_predict_layers=0, max_position_embeddings=131072,
+                            rope_theta=50000.0,
+                            rope_scaling={"type": "yarn", "factor": 32.0, "beta_fast": 1.0,
+                                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                          "original_max_position_embeddings": 4096}),
+    "moonlight-16b-a3b": _deepseek_v3(vocab_size=163840, hidden_size=2048,
+                                      intermediate_size=11264, moe_intermediate_size=1408,
+                                      num_hidden_layers=27, num_attention_heads=16,
+                                      num_key_value_heads=16, q_lora_rank=None,
+                                      n_shared_experts=2, n_routed_experts=64,
+                                      num_experts_per_tok=6, n_group=1, topk_group=1,
+                                      routed_scaling_factor=2.446, first_k_dense_replace=1,
+                                      max_position_embeddings=8192, rope_theta=50000.0,
+                                      rms_norm_eps=1e-5),
+    "glm-4.5": _glm4_moe(hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
+                         num_hidden_layers=92, n_routed_experts=160, first_k_dense_replace=3,
+                         routed_scaling_factor=2.5, use_qk_norm=True),
+    "glm-4.5-air": _glm4_moe(hidden_size=4096, intermediate_size=10944,
+                             moe_intermediate_size=1408, num_hidden_layers=46,
+                             n_routed_experts=128, first_k_dense_replace=1,
+                             routed_scaling_factor=1.0, use_qk_norm=False),
     "llama-3.1-70b": {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
         "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
