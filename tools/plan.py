@@ -32,8 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vapo_megatron.config.layout import ModelLayout  # noqa: E402
 from vapo_megatron.models.config import HFModelConfig  # noqa: E402
 from vapo_megatron.planning import memory as mp  # noqa: E402
+from vapo_megatron.planning import placement as pl  # noqa: E402
 from vapo_megatron.planning.params import active_param_count, total_param_count  # noqa: E402
-from vapo_megatron.planning.plan_report import format_plan, plan_summary, route_parts  # noqa: E402
+from vapo_megatron.planning.plan_report import (  # noqa: E402
+    colocated_summary,
+    format_placement,
+    format_plan,
+    plan_summary,
+    route_parts,
+    separate_summary,
+)
 from vapo_megatron.planning.presets import GPUS, MODEL_PRESETS, read_critic_config  # noqa: E402
 from vapo_megatron.planning.workload import FULL_RECOMPUTE, GIB, NO_RECOMPUTE, OFFLOADS, Workload  # noqa: E402
 
@@ -61,6 +69,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--offload", choices=sorted(OFFLOADS), default="none",
                         help="without --recipe; with one, rollout.offload_training_state")  # fmt: skip
     parser.add_argument("--no-critic", action="store_true", help="GRPO/DAPO (without --recipe)")
+    parser.add_argument("--placement", choices=["colocated", "separate"],
+                        help="compare the synchronous colocated step with rollouts on ranks of "
+                        "their own (default: the recipe's rollout.placement; colocated prints "
+                        "no comparison unless named)")  # fmt: skip
+    parser.add_argument("--rollout-ranks", type=int,
+                        help="separate placement: ranks that generate (default: the recipe's "
+                        "rollout.ranks, and the best split searched)")  # fmt: skip
     parser.add_argument(
         "--reserve-gib",
         type=float,
@@ -180,9 +195,49 @@ def main(argv: list[str] | None = None) -> int:
             print(f"offload={offload} ({OFFLOADS[offload]}): update peak "
                   f"{train_peak / GIB:.1f} GiB, vLLM could take gpu_memory_utilization "
                   f"{util:.2f} ({alt.concurrent_sequences:.1f} sequences per replica)")  # fmt: skip
+    placement = compare_placements(args, config, proposal, critic_hf)
+    if placement:
+        summary["placement"] = placement
     routes = route_parts(proposal, hf, critic_hf)
     print(json.dumps({**plan_summary(proposal, routes), **summary}))
     return 0
+
+
+def compare_placements(args, config, colocated: mp.Plan, critic_hf) -> dict[str, object]:
+    """The synchronous colocated step of ``colocated`` against rollouts on ranks of their own
+    (``planning/placement.py``): the recipe's split (rollout.ranks, its layouts on the trainer
+    ranks, vLLM TP), and the best splits searched with vLLM TP replicas (what the trainer runs)
+    and with any rollout layout (data-parallel attention over expert parallelism for MoE);
+    each beside the colocated step at the same vLLM layout. Empty unless asked for."""
+    placement = args.placement or (config.rollout.placement if config else "colocated")
+    if placement != "separate" and args.placement is None:
+        return {}
+    models = {"lm": (colocated.hf, colocated.policy)}
+    if colocated.critic is not None:
+        models["value"] = (critic_hf or colocated.hf, colocated.critic)
+    work, gpu = colocated.workload, colocated.gpu
+    sync = pl.colocated_step(colocated, models)
+    splits = {}
+    ranks = args.rollout_ranks
+    if ranks is None and config is not None and config.rollout.placement == "separate":
+        ranks = config.rollout.rollout_world(work.world_size)
+    if ranks is not None:
+        splits["recipe split"] = pl.separate_step(models, gpu, work, ranks, tp_only=True,
+                                                  search=config is None)  # fmt: skip
+    splits["best split, vLLM TP"] = pl.best_split(models, gpu, work, tp_only=True)
+    if colocated.hf.is_moe:
+        splits["best split, any vLLM layout"] = pl.best_split(models, gpu, work)
+    out: dict[str, object] = {"colocated": colocated_summary(sync)}
+    found = {}
+    for name, split in splits.items():
+        if split is None:
+            print(f"  {name}: no split fits (trainer layouts or a rollout replica)")
+            continue
+        same = pl.colocated_step(colocated, models, split.decode.layout)
+        found[name] = separate_summary(split, same)
+        found[name]["colocated_same_layout_step_seconds"] = round(same.step_seconds)
+    print(format_placement(out["colocated"], found))
+    return {**out, **found}
 
 
 def describe(hf: HFModelConfig) -> str:
@@ -208,7 +263,7 @@ RECIPE_FIELDS = ("bf16", "distributed_optimizer", "critic_distributed_optimizer"
                  "policy_recompute", "critic_recompute", "grad_reduce_in_fp32", "rollout_tp",
                  "gpu_memory_utilization", "offload", "enforce_eager", "samples_per_step",
                  "sleep_level", "checkpoint_async", "routing_replay",
-                 "critic_routing_replay")  # fmt: skip
+                 "critic_routing_replay", "ppo_epochs")  # fmt: skip
 
 
 def recipe_workload(config) -> dict[str, object]:

@@ -8,7 +8,9 @@ import math
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.planning.host import HostPart, Models, route_host_parts, route_host_peak
-from vapo_megatron.planning.memory import DECODE_EFFICIENCY, Plan
+from vapo_megatron.planning.memory import Plan
+from vapo_megatron.planning.placement import Colocated, Separate
+from vapo_megatron.planning.vllm import DECODE_EFFICIENCY
 from vapo_megatron.planning.workload import GIB, OFFLOADS, Recompute
 
 
@@ -155,3 +157,73 @@ def format_plan(result: Plan, title: str, routes: dict[str, HostPart] | None = N
             lines.append(f"  {name:22}{gib(need)}   headroom {gib(free)}")
     lines += [f"  problem: {p}" for p in result.problems]
     return "\n".join(lines)
+
+
+def colocated_summary(step: Colocated) -> dict[str, object]:
+    """The synchronous step's figures (``planning/placement.py``; estimated)."""
+    return {
+        "ranks": step.plan.workload.world_size,
+        "vllm_layout": step.decode.layout.describe(),
+        "kv_sequences_per_replica": round(step.decode.sequences_per_replica, 1),
+        "rollout_seconds": _seconds(step.decode.seconds),
+        "tail_seconds": round(step.tail_seconds),
+        "train_seconds": round(step.train_seconds),
+        "switch_seconds": round(step.switch_seconds),
+        "step_seconds": _seconds(step.step_seconds),
+    }
+
+
+def separate_summary(step: Separate, colocated: Colocated) -> dict[str, object]:
+    """One split's figures (``planning/placement.py``; estimated) and its step over the
+    synchronous one's."""
+    summary = {"rollout.ranks": step.rollout_ranks, "trainer_ranks": step.trainer_ranks}
+    summary.update({f"trainer_{k}": v for k, v in layout_summary(
+        step.trainer.policy, step.trainer_ranks).items() if k in ("tp", "pp", "cp", "ep")})  # fmt: skip
+    if step.trainer.critic is not None:
+        critic = layout_summary(step.trainer.critic, step.trainer_ranks)
+        summary.update({f"critic_{k}": v for k, v in critic.items() if k in ("tp", "pp", "cp")})
+    summary.update(
+        trainer_peak_gib=round(step.trainer.peak / GIB, 2),
+        vllm_layout=step.decode.layout.describe(),
+        rollout_gpu_memory_utilization=step.utilization,
+        kv_gib_per_gpu=round(step.decode.kv_cache / GIB, 1),
+        kv_sequences_per_replica=round(step.decode.sequences_per_replica, 1),
+        rollout_seconds=_seconds(step.decode.seconds),
+        tail_seconds=round(step.tail_seconds),
+        train_seconds=round(step.train_seconds),
+        transfer_seconds=round(step.transfer_seconds),
+        wait_seconds=_seconds(step.wait_seconds),
+        step_seconds=_seconds(step.step_seconds),
+        over_synchronous=round(step.step_seconds / colocated.step_seconds, 2),
+    )
+    return summary
+
+
+def format_placement(colocated: dict[str, object], splits: dict[str, dict[str, object]]) -> str:
+    """Readable lines of the placement comparison (the summaries above; every figure
+    estimated)."""
+    minutes = lambda s: "never" if s is None else f"{s / 60:.1f} min"  # noqa: E731
+    c = colocated
+    lines = [
+        f"placement [estimated; planning/placement.py]: colocated, {c['ranks']} ranks, vLLM "
+        f"{c['vllm_layout']} ({c['kv_sequences_per_replica']} sequences per replica): step "
+        f"{minutes(c['step_seconds'])} = rollout {minutes(c['rollout_seconds'])} + tail "
+        f"{minutes(c['tail_seconds'])} + training {minutes(c['train_seconds'])} + switch "
+        f"{minutes(c['switch_seconds'])}"
+    ]
+    for name, s in splits.items():
+        lines.append(
+            f"  {name}: {s['rollout.ranks']} rollout ranks (vLLM {s['vllm_layout']}, "
+            f"utilization {s['rollout_gpu_memory_utilization']:.2f}, {s['kv_gib_per_gpu']} GiB "
+            f"KV per GPU, {s['kv_sequences_per_replica']} sequences per replica) + "
+            f"{s['trainer_ranks']} trainer ranks (policy tp{s['trainer_tp']} pp{s['trainer_pp']} "
+            f"cp{s['trainer_cp']}, peak {s['trainer_peak_gib']} GiB): step "
+            f"{minutes(s['step_seconds'])} = max(training {minutes(s['train_seconds'])}, rollout "
+            f"{minutes(s['rollout_seconds'])} + tail {minutes(s['tail_seconds'])}) + transfer "
+            f"{minutes(s['transfer_seconds'])}: {s['over_synchronous']} of the synchronous step"
+        )
+    return "\n".join(lines)
+
+
+def _seconds(value: float) -> int | None:
+    return round(value) if math.isfinite(value) else None

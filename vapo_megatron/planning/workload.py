@@ -78,6 +78,8 @@ class Workload:
     """The policy replays the engine's routes (algorithm.routing_replay: rollout; MoE)."""
     critic_routing_replay: bool = False
     """An MoE critic replays its scoring pass's routes (critic.routing_replay: scoring)."""
+    ppo_epochs: int = 1
+    """Passes of updates over the step's samples (trainer.ppo_epochs; the training time)."""
 
     @property
     def sequence_len(self) -> int:
@@ -110,4 +112,5 @@ def planner_workload(config: TrainConfig, world_size: int) -> Workload:
         samples_per_step=config.algorithm.prompts_per_step * config.algorithm.samples_per_prompt,
         routing_replay=config.algorithm.routing_replay == "rollout",
         critic_routing_replay=config.critic.routing_replay == "scoring",
+        ppo_epochs=config.trainer.ppo_epochs,
     )
