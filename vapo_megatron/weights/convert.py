@@ -128,8 +128,8 @@ def inspect_hf(
 
 def check_layout(hf: HFModelConfig, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
     """ValueError naming the fix when TP/PP (and EP / expert TP) do not fit the model."""
-    _layout(tp, pp, ep, etp).check(hf)
-    if not hf.is_moe and hf.intermediate_size % tp:
+    _layout(tp, pp, ep, etp, moe=hf.is_moe).check(hf)
+    if (not hf.is_moe or hf.first_k_dense) and hf.intermediate_size % tp:
         raise ValueError(
             f"tp={tp} must divide intermediate_size={hf.intermediate_size}; pick another tp"
         )
@@ -364,12 +364,12 @@ def _read_request(sharded: Any, dtype: torch.dtype) -> tuple[list[Any], Any]:
 # ----- shared -----
 
 
-def _layout(tp: int, pp: int, ep: int = 1, etp: int | None = None):
+def _layout(tp: int, pp: int, ep: int = 1, etp: int | None = None, *, moe: bool):
     """The ModelLayout a conversion builds its model at. Sequence parallelism changes no
-    weight; it is on where megatron-core requires it (EP with TP)."""
+    weight; it is on where megatron-core requires it (an MoE model with TP)."""
     from vapo_megatron.config.layout import ModelLayout
 
-    return ModelLayout(tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1 and ep > 1)
+    return ModelLayout(tp=tp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1 and moe)
 
 
 def _meta_model(
@@ -388,7 +388,7 @@ def _meta_model(
     too, and a TE model loads the result (``checkpoint.load_model_weights``)."""
     from vapo_megatron.models.provider import build_model, local_spec, transformer_config
 
-    config = transformer_config(hf, _layout(tp, pp, ep, etp), params_dtype=dtype)
+    config = transformer_config(hf, _layout(tp, pp, ep, etp, moe=hf.is_moe), params_dtype=dtype)
     config.perform_initialization = False
     with torch.device("meta"):
         return build_model(hf, config, head=head, layer_spec=local_spec(hf)), config
