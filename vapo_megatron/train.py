@@ -42,7 +42,9 @@ def check_before_ranks(config, world_size: int) -> None:
 
     config.check(world_size)
     models = hf_io.written_model_configs(config)
-    check_layouts_on_models(config, models, world_size)
+    # The separate placement: the models' layouts fit the ranks that train.
+    trainer_world = world_size - config.rollout.rollout_world(world_size)
+    check_layouts_on_models(config, models, trainer_world)
     # A run directory's pretrained critic (complete or not: the ranks look closer) skips it.
     pretrained = Path(config.trainer.run_dir) / "critic_pretrained"
     check_critic_start(config, has_pretrained_critic=pretrained.exists())

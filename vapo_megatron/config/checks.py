@@ -19,20 +19,30 @@ if TYPE_CHECKING:  # train.py imports this module to run the checks
 
 
 def check_layouts_fit(config: TrainConfig, world_size: int) -> None:
-    """Each model's tp * pp * cp, and vLLM's tensor parallelism, divide the world."""
+    """Each model's tp * pp * cp divides the ranks that train, and vLLM's tensor parallelism
+    the ranks that generate: the whole job of ``world_size`` ranks colocated; in the separate
+    placement its rollout.ranks ranks generate and the others train."""
+    rollout_ranks = config.rollout.rollout_world(world_size)  # checks rollout.ranks
+    if rollout_ranks:
+        world_size -= rollout_ranks
     layouts = [("policy", config.policy.layout)]
     if config.algorithm.uses_critic:
         layouts.append(("critic", config.critic.layout))
     for name, layout in layouts:
         ranks = layout.tp * layout.pp * layout.cp
         if world_size % ranks:
+            which = (
+                f"the {world_size} trainer ranks"
+                if rollout_ranks
+                else f"the world size {world_size}"
+            )
             raise ValueError(
                 f"{name}.layout needs tp * pp * cp = {ranks} ranks per replica, which does "
-                f"not divide the world size {world_size}; change {name}.layout or the number "
-                "of ranks (trainer.local_world_size when started plainly)"
+                f"not divide {which}; change {name}.layout or the number "
+                "of ranks (trainer.local_world_size when started plainly, rollout.ranks)"
             )
     rollout_tp = config.rollout.tensor_parallel_size
-    if world_size % rollout_tp:
+    if not rollout_ranks and world_size % rollout_tp:
         raise ValueError(
             f"rollout.tensor_parallel_size={rollout_tp} does not divide the "
             f"world size {world_size}; each group of that many ranks forms one vLLM engine"

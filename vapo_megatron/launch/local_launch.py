@@ -80,6 +80,10 @@ def _run_ranks(
         GLIBC_TUNABLES=launch_tunables(env_base.get("GLIBC_TUNABLES")),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
+        # The separate placement's rollout ranks' own world and the bridge between the two
+        # (parallel/placement.py); unused otherwise.
+        VAPO_ROLLOUT_PORT=str(free_port()),
+        VAPO_BRIDGE_PORT=str(free_port()),
         WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS=str(threads_per_rank),
     )

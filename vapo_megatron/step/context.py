@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from vapo_megatron.data.sampler import PromptSampler
     from vapo_megatron.engine.model_engine import ModelEngine
     from vapo_megatron.rollout.engine import RolloutEngine
+    from vapo_megatron.step.remote_rollouts import RemoteRollouts
     from vapo_megatron.step.rollout_queue import RolloutQueue
 
 
@@ -56,6 +57,12 @@ class StepContext:
     changes (``step/run.py::output_route``)."""
     weights_current: bool = False
     """Whether the engine holds the policy's current weights."""
+    engine_sleeps: bool = True
+    """The engine sleeps after each generation (colocated: training takes the device); the
+    separate placement's rollout ranks keep it awake."""
+    remote: RemoteRollouts | None = None
+    """The separate placement's trainer ranks: batches from the rollout ranks, weights to
+    them (``step/remote_rollouts.py``); ``rollout`` is None then."""
     rollout_queue: RolloutQueue | None = None
     """Batches generated ahead (``rollout.lag`` > 0, ``step/rollout_queue.py``); None: each
     step generates its own."""
@@ -65,4 +72,6 @@ class StepContext:
         """Whether the engine holds the policy's current weights *and* is awake to use them. A
         sleeping engine reads as not synced, so the next rollout goes through ``sync_weights``,
         which wakes it in the right order (the engine refuses to generate while asleep)."""
+        if self.rollout is None:  # the separate placement's trainers hold no engine
+            return self.weights_current
         return self.weights_current and not self.rollout.state.asleep

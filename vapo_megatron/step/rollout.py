@@ -260,6 +260,11 @@ def step_rollouts(
     offline = cfg.critic_pretrain.offline_rollouts if pretrain else None
     if offline:  # fit the critic to rollouts saved by an earlier run
         trajectories, stats = load_rollouts(offline, pretrain_index), RolloutStats()
+    elif ctx.remote is not None:  # the separate placement: made by the rollout ranks
+        remote = ctx.remote
+        trajectories, stats = (
+            remote.take_pretrain(step, pretrain_index) if pretrain else remote.take(step)
+        )
     elif not pretrain and ctx.rollout_queue is not None:  # rollout.lag: the fixed schedule
         trajectories, stats = queued_rollouts(ctx, step)
     else:
@@ -267,7 +272,8 @@ def step_rollouts(
         trajectories, stats = collect_rollouts(ctx, step, dynamic=dynamic)
     if pretrain and cfg.critic_pretrain.save_rollouts and ctx.rank == 0:
         save_rollouts(ctx.run_dir / "rollouts", pretrain_index, trajectories)
-    ctx.rollout.sleep()
+    if ctx.rollout is not None and ctx.engine_sleeps:
+        ctx.rollout.sleep()
     return trajectories, stats
 
 
@@ -343,7 +349,8 @@ def rollout_metrics(
     trajectories: Trajectories, stats: RolloutStats, max_new_tokens: int
 ) -> dict[str, float]:
     """The step's rollout counts, scores and response lengths."""
-    out = {f"rollout/{name}": value for name, value in stats.extra.items()}
+    # Counts of the rollout queue or the rollout ranks ("time/..." names: their waits).
+    out = {name if "/" in name else f"rollout/{name}": v for name, v in stats.extra.items()}
     out |= {
         "rollout/rounds": float(stats.rounds),
         "rollout/groups_sampled": float(stats.groups_sampled),

@@ -52,7 +52,7 @@ def run_step(
     metrics: dict[str, float] = {}
     # 1-2. Prompts are drawn by the rollout; the weight sync first (the policy is frozen
     # during critic pretraining: once is enough).
-    if not (pretrain and ctx.rollout_synced):
+    if ctx.remote is None and not (pretrain and ctx.rollout_synced):
         metrics.update(sync_weights(ctx))
         ctx.weights_current = True
     timer.lap("sync")
@@ -90,7 +90,8 @@ def run_step(
         whiten_advantages=cfg.trainer.whiten_advantages and not pretrain,
     )  # fmt: skip
     metrics.update(step_stats)
-    warn_on_logprob_gap(metrics, label, cfg.rollout.logprob_gap_warn)
+    if not metrics.get("rollout/staleness"):  # a stale batch's gap is the policy's own move
+        warn_on_logprob_gap(metrics, label, cfg.rollout.logprob_gap_warn)
     timer.lap("advantages")
     # 7. Mini-batches: a critic update, then a policy update, each on the same samples.
     critic_routes = scored_critic_routes(scored, models, len(trajectories))
@@ -100,6 +101,9 @@ def run_step(
             policy_routes=policy_routes, critic_routes=critic_routes,
         )
     )  # fmt: skip
+    if ctx.remote is not None and not pretrain:  # the new weights to the rollout ranks
+        buckets = ctx.policy.hf_buckets(cfg.rollout.weight_bucket_bytes)
+        metrics.update(ctx.remote.publish(step, buckets))
     # 8. Metrics (the checkpoint is the loop's).
     prompts, responses = trajectories.prompts, trajectories.responses
     metrics.update(timer.metrics(int(prompts.offsets[-1]) + int(responses.offsets[-1])))

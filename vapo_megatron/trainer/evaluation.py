@@ -39,7 +39,8 @@ def evaluate(ctx: StepContext, step: int, prompts: Sequence) -> dict[str, float]
         replica=ctx.replica, num_replicas=ctx.num_replicas,
         host_group=ctx.host_group,
     )  # fmt: skip
-    ctx.rollout.sleep()
+    if ctx.engine_sleeps:
+        ctx.rollout.sleep()
     k = ev.k
     per_prompt = trajectories.acc.view(-1, k).mean(1)  # [prompts] float64
     num_groups = per_prompt.numel()

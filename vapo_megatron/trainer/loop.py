@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -25,12 +26,14 @@ from vapo_megatron.config.recipe import config_to_dict, dump_config
 from vapo_megatron.config.train import TrainConfig
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.collectives import make_host_group
+from vapo_megatron.parallel.placement import ROLLOUT, Placement, make_bridge, split_world
 from vapo_megatron.step.run import run_step
 from vapo_megatron.tiny.assets import ensure_tiny_assets
 from vapo_megatron.tiny.reward_model import ensure_tiny_critic
 from vapo_megatron.trainer.evaluation import evaluate
 from vapo_megatron.trainer.metrics import MetricsLogger
 from vapo_megatron.trainer.preemption import PreemptionFlag
+from vapo_megatron.trainer.rollout_ranks import serve_rollouts
 from vapo_megatron.trainer.session import Session, dist_timeout, init_distributed
 from vapo_megatron.weights import hf_io
 from vapo_megatron.weights.critic import critic_model_path
@@ -40,9 +43,16 @@ PRETRAIN_SEED_KEY = 10**6  # critic-pretraining steps draw other seeds than VAPO
 
 
 def train(config: TrainConfig) -> dict:
-    """Run (or resume) the experiment; return the summary (also written to summary.json)."""
+    """Run (or resume) the experiment; return the summary (also written to summary.json).
+    In the separate placement the rollout ranks serve the trainers instead
+    (``trainer/rollout_ranks.py``)."""
     start = time.perf_counter()
-    run, resumed = open_run(config)
+    placement = None
+    if config.rollout.placement == "separate":
+        placement = split_world(config.rollout.rollout_world(int(os.environ["WORLD_SIZE"])))
+        if placement.role == ROLLOUT:
+            return serve_rollouts(config, placement)
+    run, resumed = open_run(config, placement)
     session = run.session
     metrics_log = _metrics_logger(run)
     flag = PreemptionFlag()
@@ -78,17 +88,27 @@ def train(config: TrainConfig) -> dict:
         session.close()
 
 
-def open_run(config: TrainConfig) -> tuple[Run, bool]:
+def open_run(config: TrainConfig, placement: Placement | None = None) -> tuple[Run, bool]:
     """Start-up on every rank: the process groups, the tiny models' files (model.create_tiny,
     critic.create_tiny), the run directory and the session; with trainer.resume=auto, the
-    latest checkpoint. Returns the run and whether it resumed."""
+    latest checkpoint. Returns the run and whether it resumed. With a ``placement`` (the
+    separate placement's trainer ranks), the bridge to the rollout ranks once the files
+    exist, and the rollout ranks told where the run starts, with the policy's weights."""
     init_distributed(dist_timeout(config))
     host = make_host_group(dist_timeout(config))
     ensure_tiny_assets(config, host)
     ensure_tiny_critic(config, host)
     run_dir = prepare_run_dir(config, host)
-    run = Run(Session(config, run_dir, host_group=host))
+    bridge, job_world = None, None
+    if placement is not None:
+        bridge = make_bridge(placement, dist_timeout(config))
+        job_world = placement.trainer_world + placement.rollout_world
+    run = Run(Session(config, run_dir, host_group=host, bridge=bridge, job_world=job_world))
     resumed = config.trainer.resume == "auto" and run.resume()
+    remote = run.session.remote
+    if remote is not None:
+        buckets = run.session.policy.hf_buckets(config.rollout.weight_bucket_bytes)
+        remote.start(run.state["step"], run.session.sampler.state_dict(), buckets)
     _log_start(run, resumed)
     return run, resumed
 
@@ -200,7 +220,11 @@ class Evaluations:
     def run(self, step: int) -> dict[str, float] | None:
         if self.session.eval is None:
             return None
-        metrics = evaluate(self.session.context, step, self.session.eval.items)
+        remote = self.session.remote
+        if remote is not None:  # on the rollout ranks, with the weights last published
+            metrics = remote.evaluate(step)
+        else:
+            metrics = evaluate(self.session.context, step, self.session.eval.items)
         self.metrics_log.log(step, metrics, phase="eval")
         self.last = (step, metrics)
         return metrics
@@ -245,6 +269,13 @@ def _log_start(run: Run, resumed: bool) -> None:
     logger.info("train prompts: %s", session.train.report)
     if session.eval is not None:
         logger.info("eval prompts: %s", session.eval.report)
+    if session.remote is not None:
+        logger.info(
+            "separate placement: %d trainer ranks (policy %s, critic %s); the rollout ranks "
+            "generate %d step(s) ahead", session.world_size, cfg.policy.layout,
+            cfg.critic.layout if session.critic is not None else "none", cfg.rollout.steps_behind,
+        )  # fmt: skip
+        return
     logger.info(
         "world %d: policy %s, critic %s, %d vLLM replica(s) of TP %d",
         session.world_size, cfg.policy.layout,
@@ -312,6 +343,8 @@ class Run:
         for engine in (self.session.policy, self.session.critic):
             if engine is not None:  # whole parameters, with overlap_param_gather
                 engine.gather_params()
+        if self.session.remote is not None:  # the batches made ahead are saved, not lost
+            self.session.remote.flush()
         queue = self.session.context.rollout_queue
         extra = {
             "state": dict(self.state),

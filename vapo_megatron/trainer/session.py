@@ -40,9 +40,11 @@ from vapo_megatron.parallel.model_groups import (
     ensure_global_memory_buffer,
     seed_rng_tracker,
 )
+from vapo_megatron.parallel.placement import Bridge
 from vapo_megatron.rewards.registry import check_data_sources, resolve_routing
 from vapo_megatron.run_log import native_stderr_to_rank_log
 from vapo_megatron.step.context import StepContext
+from vapo_megatron.step.remote_rollouts import RemoteRollouts
 from vapo_megatron.step.rollout_queue import RolloutQueue
 from vapo_megatron.weights import hf_io
 from vapo_megatron.weights.critic import (
@@ -165,8 +167,16 @@ class Session:
     """One rank's share of a run."""
 
     def __init__(
-        self, config: TrainConfig, run_dir: Path, host_group: dist.ProcessGroup | None = None
+        self,
+        config: TrainConfig,
+        run_dir: Path,
+        host_group: dist.ProcessGroup | None = None,
+        *,
+        bridge: Bridge | None = None,
+        job_world: int | None = None,
     ) -> None:
+        """``bridge``: the separate placement's trainer ranks (no engine here: the rollout
+        ranks generate), with ``job_world`` ranks in the whole job."""
         self.config = config
         self.run_dir = run_dir
         init_distributed(dist_timeout(config))
@@ -175,7 +185,7 @@ class Session:
             make_host_group(dist_timeout(config)) if host_group is None else host_group
         )
         """Gloo over every rank: counts, timings, objects, barriers (``parallel/collectives``)."""
-        config.check(self.world_size)
+        config.check(job_world or self.world_size)
         # Under torchrun/srun no launcher process checked these first (``train.check_before_ranks``).
         check_layouts_on_models(config, hf_io.written_model_configs(config), self.world_size)
         check_critic_start(
@@ -185,14 +195,24 @@ class Session:
         torch.manual_seed(config.trainer.seed)
         self._read_data()
         self._build_models()
-        self.rollout = self._start_rollout()
+        lag = config.rollout.steps_behind
+        self.remote = self.rollout = None
+        queue = RolloutQueue(lag) if lag else None
+        if bridge is not None:  # the rollout ranks generate
+            self.remote = RemoteRollouts(
+                bridge, lag, host_rank=dist.get_rank(self.host_group), is_sender=self.rank == 0,
+                sampler=self.sampler,
+            )  # fmt: skip
+            queue = self.remote.queue
+        else:
+            self.rollout = self._start_rollout()
         self.context = StepContext(
             config=config, rollout=self.rollout, tokenizer=self.tokenizer,
             stop_token_ids=self.stop_token_ids, routing=self.routing, host_group=self.host_group,
             rank=self.rank, replica=self.replica, num_replicas=self.num_replicas,
             policy=self.policy, critic=self.critic, sampler=self.sampler,
-            train_prompts=self.train.items, run_dir=run_dir,
-            rollout_queue=RolloutQueue(lag) if (lag := config.rollout.steps_behind) else None,
+            train_prompts=self.train.items, run_dir=run_dir, remote=self.remote,
+            rollout_queue=queue,
         )  # fmt: skip
         """What the step and evaluation use of the run (and the engine's staleness)."""
 
@@ -344,8 +364,11 @@ class Session:
     def close(self) -> None:
         # vLLM tears down the default process group with the engine (every rank of every
         # replica together): shut it down last.
+        if self.remote is not None:
+            self.remote.stop()
         collectives.barrier(self.host_group)
-        self.rollout.shutdown()
+        if self.rollout is not None:
+            self.rollout.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
 
