@@ -39,6 +39,10 @@ from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.critic_routes import step_routes
 
+EVERY_RANK = -1
+"""``Trajectories.route_at`` holder of routes every rank holds in its own store (the separate
+placement's trainers receive the whole batch's, ``step/trajectory_wire.py``)."""
+
 
 class RouteStore:
     """This rank's part of the step's engine routes: the samples its rollout replica
@@ -93,9 +97,13 @@ def routes_to_owners(
     len(layers), top_k] int16 over ``layers`` (this rank's routers' global layers, in
     ``ModelRouterReplay.layers`` order) with offsets [S + 1], 0 rows for the other samples.
 
-    ``route_at`` [S, 2] int64: each sample's holder (host-group rank) and first row in the
+    ``route_at`` [S, 2] int64: each sample's holder (host-group rank, or ``EVERY_RANK``: each
+    rank's own ``store`` holds every sample, the separate placement) and first row in the
     holder's ``store``; ``row_counts`` [S]: prompt + response - 1. Collective over
-    ``host_group`` (every rank, the holders and the policy's ranks)."""
+    ``host_group`` (every rank, the holders and the policy's ranks), except where every rank
+    holds every sample: then nothing crosses ranks."""
+    if bool((route_at[:, 0] == EVERY_RANK).all()):
+        return local_routes(route_at, row_counts, store, owners, dp_rank, layers)
     me = dist.get_rank(host_group)
     ranks = collectives.all_gather_objects((dp_rank, tuple(layers)), host_group)
     for rank, (_, its_layers) in enumerate(ranks):
@@ -134,6 +142,30 @@ def routes_to_owners(
     shape = (len(layers), store.shape[1])
     kept = unpack(received, by_pair, dp_rank, counts, shape, me)
     return step_routes(kept, len(owners), shape)
+
+
+def local_routes(
+    route_at: torch.Tensor,
+    row_counts: torch.Tensor,
+    store: RouteStore,
+    owners: Sequence[int],
+    dp_rank: int,
+    layers: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``routes_to_owners`` where this rank's ``store`` holds every sample's routes."""
+    if not layers or not all(0 <= layer < store.shape[0] for layer in layers):
+        raise ValueError(
+            f"this rank asks for the routes of layers {list(layers)}; the engine's routes have "
+            f"{store.shape[0]} layers"
+        )
+    index = torch.tensor(layers, dtype=torch.long, device=HOST)
+    counts, first = row_counts.tolist(), route_at[:, 1].tolist()
+    kept = {
+        i: torch.index_select(store.sample(first[i], counts[i]), 1, index)
+        for i, owner in enumerate(owners)
+        if owner == dp_rank
+    }
+    return step_routes(kept, len(owners), (len(layers), store.shape[1]))
 
 
 def exchange_rounds(ranks: Sequence[tuple[int, tuple[int, ...]]]) -> list[int]:

@@ -90,11 +90,9 @@ class RemoteRollouts:
     ``queue``, whose state the checkpoint saves), evaluation on the rollout ranks."""
 
     def __init__(
-        self, bridge: Bridge, lag: int, *, host_rank: int, is_sender: bool, sampler: PromptSampler
+        self, bridge: Bridge, lag: int, *, is_sender: bool, sampler: PromptSampler
     ) -> None:
         self.bridge, self.lag = bridge, lag
-        self.host_rank = host_rank
-        """This rank in the trainers' host group (the holder of received MoE routes)."""
         self.is_sender = is_sender
         """Trainer rank 0: sends the orders and the weights."""
         self.queue = RolloutQueue(lag)
@@ -138,7 +136,7 @@ class RemoteRollouts:
         if queued:
             batch = self.queue.batches.popleft()
         else:
-            batch, info = recv_batch(self.bridge.samples, self.host_rank)
+            batch, info = recv_batch(self.bridge.samples)
             self.sampler.load_state_dict(info["sampler"])
         if batch.step != step:
             raise RuntimeError(f"step {step} got step {batch.step}'s batch from the rollout ranks")
@@ -152,7 +150,7 @@ class RemoteRollouts:
         started = time.perf_counter()
         if self.is_sender:
             send_order(self.bridge, PRETRAIN, seed_step, index)
-        batch, info = recv_batch(self.bridge.samples, self.host_rank)
+        batch, info = recv_batch(self.bridge.samples)
         self.sampler.load_state_dict(info["sampler"])
         return self._stats(batch, info, time.perf_counter() - started)
 
@@ -163,7 +161,7 @@ class RemoteRollouts:
             send_order(self.bridge, FLUSH)
         count = int(recv_text(self.bridge) or b"0")
         for _ in range(count):
-            batch, info = recv_batch(self.bridge.samples, self.host_rank)
+            batch, info = recv_batch(self.bridge.samples)
             self.queue.batches.append(batch)
             self.sampler.load_state_dict(info["sampler"])
         return count

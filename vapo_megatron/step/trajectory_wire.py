@@ -26,7 +26,7 @@ from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.parallel.placement import bridge_broadcast
 from vapo_megatron.step.batching import gather_index
-from vapo_megatron.step.engine_routes import RouteStore
+from vapo_megatron.step.engine_routes import EVERY_RANK, RouteStore
 from vapo_megatron.step.rollout import RolloutStats
 from vapo_megatron.step.rollout_queue import QueuedBatch
 from vapo_megatron.step.trajectories import META_FIELDS, Trajectories
@@ -56,9 +56,9 @@ def send_batch(batch: QueuedBatch, info: dict, group: dist.ProcessGroup) -> None
     _bcast(torch.frombuffer(bytearray(text), dtype=torch.uint8), group)
 
 
-def recv_batch(group: dist.ProcessGroup, holder: int) -> tuple[QueuedBatch, dict]:
-    """The batch ``send_batch`` broadcasts and its ``info``; with routes, this rank (host-group
-    rank ``holder``) holds them all."""
+def recv_batch(group: dist.ProcessGroup) -> tuple[QueuedBatch, dict]:
+    """The batch ``send_batch`` broadcasts and its ``info``; with routes, this rank holds them
+    all (``route_at``'s holder ``EVERY_RANK``)."""
     header = torch.empty(HEADER, dtype=torch.long, device=HOST)
     _bcast(header, group)
     s, p, n, rows, layers, top_k, text_bytes, step, version, _ = header.tolist()
@@ -81,7 +81,7 @@ def recv_batch(group: dist.ProcessGroup, holder: int) -> tuple[QueuedBatch, dict
     trajectories = Trajectories.from_rows(meta, prompt_ids, response_ids, logprobs)
     if store is not None:
         first = trajectories.route_offsets()[:-1]
-        route_at = torch.stack([torch.full_like(first, holder), first], dim=1)
+        route_at = torch.stack([torch.full_like(first, EVERY_RANK), first], dim=1)
         trajectories.route_at, trajectories.route_store = route_at, store
     trajectories.reward, trajectories.version = reward, sample_version
     info = json.loads(text.numpy().tobytes().decode())

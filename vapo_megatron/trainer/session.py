@@ -200,8 +200,7 @@ class Session:
         queue = RolloutQueue(lag) if lag else None
         if bridge is not None:  # the rollout ranks generate
             self.remote = RemoteRollouts(
-                bridge, lag, host_rank=dist.get_rank(self.host_group), is_sender=self.rank == 0,
-                sampler=self.sampler,
+                bridge, lag, is_sender=self.rank == 0, sampler=self.sampler,
             )  # fmt: skip
             queue = self.remote.queue
         else:

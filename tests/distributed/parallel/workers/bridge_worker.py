@@ -16,7 +16,7 @@ import torch.distributed as dist
 from vapo_megatron.parallel.collectives import make_host_group
 from vapo_megatron.parallel.placement import ROLLOUT, make_bridge, split_world
 from vapo_megatron.step import remote_rollouts as wire
-from vapo_megatron.step.engine_routes import RouteStore
+from vapo_megatron.step.engine_routes import EVERY_RANK, RouteStore, routes_to_owners
 from vapo_megatron.step.rollout import RolloutStats
 from vapo_megatron.step.rollout_queue import QueuedBatch
 from vapo_megatron.step.trajectories import META_FIELDS, Trajectories
@@ -93,7 +93,7 @@ def main() -> None:
             wire.send_order(bridge, wire.START, 4, 1, b'{"x": 1}')
             count, nbytes = send_buckets(sent, bridge.weights, bridge.weights_device)
             assert count == 3 and nbytes > 0
-        got, info = recv_batch(bridge.samples, dist.get_rank(host))
+        got, info = recv_batch(bridge.samples)
         assert (got.step, got.version, info["sampler"]) == (7, 3, {"position": 9})
         assert got.stats.rounds == 2 and got.stats.extra == {"k": 1.0}
         want = batch(True, 0)
@@ -106,10 +106,22 @@ def main() -> None:
         offsets = t.route_offsets()
         for i in range(len(t)):
             holder, first = t.route_at[i].tolist()
-            assert holder == dist.get_rank(host) and first == int(offsets[i])
+            assert holder == EVERY_RANK and first == int(offsets[i])
             rows = t.route_store.sample(first, int(offsets[i + 1] - offsets[i]))
             assert bool((rows[:, 0, 0] // 100 == i).all()), (i, rows[:, 0, 0])
             assert rows[:, 0, 0].tolist() == [100 * i + j for j in range(rows.shape[0])]
+        # Each trainer rank takes its own samples' routes; nothing crosses ranks.
+        routes, offsets_out = routes_to_owners(
+            t.route_at, t.route_offsets().diff(), t.route_store, [0, 1, 0, 1],
+            placement.side_rank, [1, 0], host,
+        )  # fmt: skip
+        mine = [i for i in range(4) if i % 2 == placement.side_rank]
+        counts = t.route_offsets().diff().tolist()
+        assert offsets_out.diff().tolist() == [c if i in mine else 0 for i, c in enumerate(counts)]
+        want_rows = torch.cat(
+            [t.route_store.sample(int(offsets[i]), counts[i])[:, [1, 0]] for i in mine]
+        )
+        assert torch.equal(routes, want_rows)
         assert wire.recv_text(bridge) == b"done"
         print(f"{side}: batch and routes arrived bit for bit")
     dist.destroy_process_group()
