@@ -31,6 +31,7 @@ from vapo_megatron.step.rollout import collect_rollouts
 from vapo_megatron.step.rollout_queue import QueuedBatch
 from vapo_megatron.step.trajectory_wire import gather_routes, send_batch
 from vapo_megatron.trainer.evaluation import evaluate
+from vapo_megatron.trainer.preemption import PreemptionFlag
 from vapo_megatron.trainer.session import (
     dist_timeout,
     import_plugins,
@@ -45,16 +46,21 @@ logger = logging.getLogger("vapo_megatron")
 
 
 def serve_rollouts(config: TrainConfig, placement: Placement) -> dict:
-    """A rollout rank's whole run: join the bridge (once the trainers have made the run's
-    files), start its engine replica, serve orders until STOP."""
-    bridge = make_bridge(placement, dist_timeout(config))
+    """A rollout rank's whole run: its side's process groups (first: on GPU this takes the
+    rank's device, which the bridge's NCCL group then uses), the bridge (joined once the
+    trainers have made the run's files, which the engine reads next), its engine replica,
+    then orders until STOP. SIGTERM/SIGUSR1 are only noted: the trainers save (with the
+    batches made here) and then stop these ranks."""
     init_distributed(dist_timeout(config))
     host = make_host_group(dist_timeout(config))
+    bridge = make_bridge(placement, dist_timeout(config))
     ctx, eval_prompts = rollout_context(config, host)
     server = RolloutServer(ctx, bridge, eval_prompts)
+    flag = PreemptionFlag()
     try:
         server.run()
     finally:
+        flag.uninstall()
         barrier(host)
         ctx.rollout.shutdown()
         if dist.is_initialized():
