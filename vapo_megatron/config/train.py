@@ -32,7 +32,7 @@ class ModelSettings:
     """Build the tiny synthetic task's model at model.path and its data at data.train_path / eval_path when absent (CPU recipes; nothing is downloaded)."""
     tiny_seed: int = 0
     """Seed of the tiny task, tokenizer and initial weights (create_tiny only)."""
-    tiny_family: Literal["qwen2", "qwen3", "qwen3_moe"] = "qwen2"
+    tiny_family: Literal["qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"] = "qwen2"
     """HF model type of the tiny policy (create_tiny only; tiny/model.py TINY_FAMILIES)."""
     tiny_warmup_steps: int = 0
     """Supervised warm-up steps of the tiny policy, so RL starts from a non-zero pass rate (create_tiny only)."""

