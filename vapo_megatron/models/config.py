@@ -64,6 +64,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3ForSequenceClassification"),
     "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeForSequenceClassification"),
 }
+FAMILY_ALIASES = {"kimi_k2": "deepseek_v3"}
+"""model_types read as another family: Kimi-K2's config.json says ``kimi_k2`` with
+``architectures: [DeepseekV3ForCausalLM]`` and DeepSeek-V3's fields (other sizes, no groups,
+YaRN factor 32)."""
 SIGMOID_FAMILIES = ("deepseek_v3", "glm4_moe")
 """Families whose router is DeepSeek-V3's: sigmoid scores, an expert-score bias used for the
 choice only, group-limited top-k, a scaling factor, shared experts, first layers dense."""
@@ -186,7 +190,7 @@ class HFModelConfig:
         model_type = _check_supported(hf_config)
         num_heads = _required(hf_config, "num_attention_heads")
         hidden_size = _required(hf_config, "hidden_size")
-        rope = _read_rope(hf_config)
+        rope = _read_rope(hf_config, model_type)
         yarn = rope.pop("yarn")
         mla = _read_mla(hf_config, yarn) if model_type == "deepseek_v3" else None
         moe: dict[str, Any] = {}
@@ -357,7 +361,7 @@ def _required(hf_config: Mapping[str, Any], key: str) -> Any:
 def _reject_true(hf_config: Mapping[str, Any], key: str) -> None:
     if hf_config.get(key):
         raise ValueError(
-            f"{key}=true is not supported for model_type {hf_config['model_type']!r} "
+            f"{key}=true is not supported for model_type {hf_config.get('model_type')!r} "
             "(the Megatron model would compute something else)"
         )
 
@@ -392,10 +396,9 @@ def _read_moe(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _read_rope(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+def _read_rope(hf_config: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     """rope_theta, the llama3 factor (or None), partial_rotary_factor and the YaRN fields
     (``yarn``, megatron's MLA names; empty: none) from either config dialect."""
-    model_type = hf_config["model_type"]
     params = dict(hf_config.get("rope_scaling") or {})  # transformers 4.x
     params.update(hf_config.get("rope_parameters") or {})  # transformers 5.x
     theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
@@ -479,11 +482,11 @@ def _read_mla(hf_config: Mapping[str, Any], yarn: tuple[tuple[str, float], ...])
 
 def _check_supported(hf_config: Mapping[str, Any]) -> str:
     """The model_type; ValueError for a type, architecture or option not built."""
-    model_type = hf_config.get("model_type")
+    model_type = FAMILY_ALIASES.get(hf_config.get("model_type"), hf_config.get("model_type"))
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"model_type {model_type!r} is not supported; supported: "
-            f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            f"{sorted(SUPPORTED_ARCHITECTURES) + sorted(FAMILY_ALIASES)}"
         )
     accepted = SUPPORTED_ARCHITECTURES[model_type]
     for arch in hf_config.get("architectures") or ():

@@ -127,3 +127,26 @@ def test_megatron_config_fields(configs):
     assert glm.gpt_model_kwargs(1)["rotary_percent"] == 0.5
     assert glm.qkv_bias and glm.qk_layernorm and glm.mla is None
     assert glm.transformer_config_kwargs()["add_qkv_bias"]
+
+
+def test_kimi_k2_reads_as_deepseek_v3(configs):
+    """Kimi-K2's config.json: model_type kimi_k2, DeepseekV3ForCausalLM, no groups, YaRN in
+    the transformers 4.x dialect (``rope_scaling`` with ``type``)."""
+    config = dict(configs["deepseek_v3"], model_type="kimi_k2", n_group=1, topk_group=1)
+    config.pop("rope_parameters")
+    config.update(
+        architectures=["DeepseekV3ForCausalLM"],
+        rope_theta=50000.0,
+        rope_scaling={
+            "type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        },
+    )  # fmt: skip
+    hf = HFModelConfig.from_hf(config)
+    assert hf.family == "deepseek_v3" and hf.moe_num_groups == 1
+    assert hf.hf_architecture("lm") == "DeepseekV3ForCausalLM"
+    kwargs = hf.transformer_config_kwargs()
+    assert (kwargs["rotary_base"], kwargs["rotary_scaling_factor"], kwargs["beta_fast"]) == (
+        50000.0, 32.0, 1.0,
+    )  # fmt: skip
+    assert kwargs["moe_router_num_groups"] is None
