@@ -26,7 +26,6 @@ import torch.distributed as dist
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
-    finalize_model_grads,
 )
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -47,7 +46,10 @@ from vapo_megatron.config.recompute import RecomputeSettings
 from vapo_megatron.data.packing import MicroBatch
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.models.logprobs import VocabSlice
-from vapo_megatron.models.megatron_patches import apply_megatron_patches
+from vapo_megatron.models.megatron_patches import (
+    apply_megatron_patches,
+    finalize_model_grads_on_model_groups,
+)
 from vapo_megatron.models.provider import (
     build_model,
     check_local_attention_fits,
@@ -133,7 +135,8 @@ class ModelEngine:
             recompute=recompute.transformer_config_kwargs() if recompute is not None else None,
             initialize=initialize, moe=moe,
         )  # fmt: skip
-        self.config.finalize_model_grads_func = finalize_model_grads
+        # The expert bias's update (sigmoid routers) on this model's groups, not megatron's.
+        self.config.finalize_model_grads_func = finalize_model_grads_on_model_groups
         self.device = training_device()
         """Where the model, its inputs and its collectives' tensors live."""
         self.chunks = _build_chunks(

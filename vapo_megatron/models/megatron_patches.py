@@ -18,6 +18,14 @@ megatron's ``extensions/transformer_engine.py`` leaves ``te`` a MagicMock, so
 ``multi_latent_attention``'s TE import succeeds and ``HAVE_TE`` is True; its
 ``isinstance(self.linear_proj, TELinear)`` then raises ``TypeError`` (TELinear is no type):
 ``HAVE_TE`` is set False where ``transformer_engine`` is not installed.
+
+A sigmoid router's expert bias (DeepSeek-V3, GLM-4.5) is moved in ``finalize_model_grads`` by
+``moe_utils.get_updated_expert_bias``, which all-reduces the token counts over
+``parallel_state``'s TP x DP x CP group: absent (AssertionError) or another model's when each
+model has its own groups. :func:`finalize_model_grads_on_model_groups` (the engines' finalize
+function) runs megatron's with the model's ``pg_collection.tp_dp_cp`` in the thread-local,
+which the patched update reduces over; at update rate 0 (the default: the bias frozen) it
+returns the bias unchanged with no collective.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import functools
 import importlib.util
 import threading
 
+import torch
 import torch.distributed as dist
 
 _state = threading.local()
@@ -66,7 +75,42 @@ def apply_megatron_patches() -> None:
     attention.get_tensor_model_parallel_rank = rank_in_layer_group
     attention.SelfAttention.get_query_key_value_tensors = get_qkv
     _patch_mla()
+    _patch_expert_bias_update()
     _applied = True
+
+
+def finalize_model_grads_on_model_groups(model, num_tokens=None, pg_collection=None, **kwargs):
+    """megatron's ``finalize_model_grads`` with the expert-bias update on the model's own
+    TP x DP x CP group (``pg_collection.tp_dp_cp``); a ``config.finalize_model_grads_func``."""
+    from megatron.core.distributed import finalize_model_grads
+
+    previous = getattr(_state, "bias_group", None)
+    _state.bias_group = None if pg_collection is None else pg_collection.tp_dp_cp
+    try:
+        return finalize_model_grads(model, num_tokens, pg_collection=pg_collection, **kwargs)
+    finally:
+        _state.bias_group = previous
+
+
+def _patch_expert_bias_update() -> None:
+    # The module, not the function of the same name that megatron.core.distributed exports.
+    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+
+    original = module.get_updated_expert_bias
+
+    @functools.wraps(original)
+    def updated_expert_bias(tokens_per_expert, expert_bias, update_rate):
+        group = getattr(_state, "bias_group", None)
+        if update_rate == 0:  # frozen: the counts are reset by megatron after this
+            return expert_bias
+        if group is None:
+            return original(tokens_per_expert, expert_bias, update_rate)
+        with torch.no_grad():  # megatron's sign update, reduced over the model's group
+            dist.all_reduce(tokens_per_expert, group=group)
+            average = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
+            return expert_bias + torch.sign(average - tokens_per_expert) * update_rate
+
+    module.get_updated_expert_bias = updated_expert_bias
 
 
 def _with_layer_group(function):

@@ -44,6 +44,7 @@ class RouteRecorder:
     def __init__(self) -> None:
         self.recording = False
         self.num_layers = 0
+        self.moe_layers: list[int] = []
         self.top_k = 0
         self._runner = None
         self._step: dict | None = None
@@ -73,6 +74,8 @@ class RouteRecorder:
         if not layers:
             raise ValueError("the engine's model has no MoE layer: there are no routes to record")
         self.num_layers = 1 + max(m.layer_id for m in layers)
+        # DeepSeek-V3/GLM-4.5's first layers are dense: their columns stay -1 (no routes).
+        self.moe_layers = sorted(m.layer_id for m in layers)
         self.top_k = layers[0].moe_config.experts_per_token
         self._runner = runner
         runner.model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
@@ -109,7 +112,8 @@ class RouteRecorder:
 
     def take(self, request_id: str, num_tokens: int) -> torch.Tensor:
         """The routes of request ``request_id`` with ``num_tokens`` tokens in all (prompt and
-        output): int16 [num_tokens - 1, layers, top_k], rows in sequence order. Forgets them."""
+        output): int16 [num_tokens - 1, layers, top_k], rows in sequence order; a dense layer's
+        column is -1. Forgets them."""
         chunks = self._chunks.pop(request_id, None)
         if chunks is None:
             raise KeyError(f"no routes were recorded for request {request_id!r}")
@@ -117,8 +121,9 @@ class RouteRecorder:
         for start, rows in chunks:
             end = min(start + rows.shape[0], num_tokens - 1)
             out[start:end] = rows[: end - start]
-        if bool((out < 0).any()):
-            missing = int((out < 0).any(dim=(1, 2)).sum())
+        unrecorded = out[:, self.moe_layers] < 0
+        if bool(unrecorded.any()):
+            missing = int(unrecorded.any(dim=(1, 2)).sum())
             raise RuntimeError(
                 f"request {request_id!r}: {missing} of {num_tokens - 1} forwarded tokens have no "
                 "recorded route (is prefix caching on? the recorder needs it off)"
