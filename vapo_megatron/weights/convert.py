@@ -100,6 +100,14 @@ def inspect_hf(
         hint = ""
         if "lm_head.weight" in unexpected and hf.tie_word_embeddings:
             hint = " (config.json says tie_word_embeddings=true, but there is an lm_head.weight)"
+        if hf.mtp_num_layers and any(
+            name.startswith(f"model.layers.{hf.num_layers}.") for name in unexpected
+        ):
+            hint = (
+                f" (layers {hf.num_layers}.. are the num_nextn_predict_layers="
+                f"{hf.mtp_num_layers} multi-token-prediction layers, which this version does not "
+                "build or carry: docs/models.md)"
+            )
         raise ValueError(
             f"{hf_dir}: {len(unexpected)} unexpected tensor(s), not part of a "
             f"{hf.family} model with {hf.num_layers} layers{hint}: {unexpected[:8]}"
