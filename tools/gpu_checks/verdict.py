@@ -89,10 +89,12 @@ def moe_reason(config, layouts) -> str | None:
         return "MoE model (ep > 1)"
     if config.algorithm.routing_replay != "none":
         return "MoE model (routing replay)"
-    if config.model.create_tiny and config.model.tiny_family == "qwen3_moe":
-        return "MoE model (tiny qwen3_moe)"
+    family = config.model.tiny_family
+    if config.model.create_tiny and family in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
+        return f"MoE model (tiny {family})"
     path = Path(config.model.path, "config.json")
-    if path.is_file() and json.loads(path.read_text()).get("num_experts"):
+    hf = json.loads(path.read_text()) if path.is_file() else {}
+    if hf.get("num_experts") or hf.get("n_routed_experts"):
         return f"MoE model ({path})"
     return None
 
