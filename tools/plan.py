@@ -43,6 +43,7 @@ from vapo_megatron.planning.plan_report import (  # noqa: E402
     separate_summary,
 )
 from vapo_megatron.planning.presets import GPUS, MODEL_PRESETS, read_critic_config  # noqa: E402
+from vapo_megatron.planning.vllm import RolloutLayout  # noqa: E402
 from vapo_megatron.planning.workload import FULL_RECOMPUTE, GIB, NO_RECOMPUTE, OFFLOADS, Workload  # noqa: E402
 
 
@@ -117,6 +118,7 @@ def check_recipe(
     check_layout_pair(config.policy.layout, config.critic.layout, world_size)
     for problem in mp.rollout_tp_problems(hf, config.rollout.tensor_parallel_size, world_size):
         raise ValueError(f"rollout.tensor_parallel_size: {problem}")
+    config.rollout.rollout_world(world_size)  # separate placement: the ranks split into replicas
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,14 +218,17 @@ def compare_placements(args, config, colocated: mp.Plan, critic_hf) -> dict[str,
     if colocated.critic is not None:
         models["value"] = (critic_hf or colocated.hf, colocated.critic)
     work, gpu = colocated.workload, colocated.gpu
+    if config is not None and config.rollout.placement == "separate":
+        colocated = colocated_counterpart(colocated, critic_hf)
     sync = pl.colocated_step(colocated, models)
     splits = {}
     ranks = args.rollout_ranks
     if ranks is None and config is not None and config.rollout.placement == "separate":
         ranks = config.rollout.rollout_world(work.world_size)
     if ranks is not None:
-        splits["recipe split"] = pl.separate_step(models, gpu, work, ranks, tp_only=True,
-                                                  search=config is None)  # fmt: skip
+        layout = RolloutLayout(tp=config.rollout.tensor_parallel_size) if config else None
+        splits["recipe split"] = pl.separate_step(models, gpu, work, ranks, search=config is None,
+                                                  tp_only=True, layout=layout)  # fmt: skip
     splits["best split, vLLM TP"] = pl.best_split(models, gpu, work, tp_only=True)
     if colocated.hf.is_moe:
         splits["best split, any vLLM layout"] = pl.best_split(models, gpu, work)
@@ -234,10 +239,20 @@ def compare_placements(args, config, colocated: mp.Plan, critic_hf) -> dict[str,
             print(f"  {name}: no split fits (trainer layouts or a rollout replica)")
             continue
         same = pl.colocated_step(colocated, models, split.decode.layout)
-        found[name] = separate_summary(split, same)
-        found[name]["colocated_same_layout_step_seconds"] = round(same.step_seconds)
+        found[name] = separate_summary(split, sync, same)
     print(format_placement(out["colocated"], found))
     return {**out, **found}
+
+
+def colocated_counterpart(result: mp.Plan, critic_hf) -> mp.Plan:
+    """A separate recipe's synchronous counterpart: its layouts and vLLM TP colocated on every
+    rank, the training state offloaded while vLLM is awake and vLLM at the largest share
+    that fits (how the colocated recipes run)."""
+    work = replace(result.workload, offload="rollout", sleep_level=2)
+    util = mp.max_vllm_utilization(result.hf, result.gpu, result.policy, result.critic, work,
+                                   critic_hf=critic_hf)  # fmt: skip
+    return mp.plan(result.hf, result.gpu, result.policy, result.critic,
+                   replace(work, gpu_memory_utilization=util), critic_hf=critic_hf)  # fmt: skip
 
 
 def describe(hf: HFModelConfig) -> str:

@@ -107,12 +107,16 @@ class RankReport:
 
     rank: int
     world_size: int
-    replica: int
-    """vLLM engine replica of this rank."""
+    """Ranks the models are built over: the job's, or its trainer ranks' under the separate
+    placement."""
+    replica: int | None
+    """vLLM engine replica of this rank; None: a trainer rank of the separate placement."""
     replica_ranks: list[int]
-    """The ranks of that replica (one vLLM TP group)."""
+    """The ranks of that replica (one vLLM TP group); separate placement: every rollout rank
+    of the job (the ones after the trainer ranks)."""
     replica_prompts: int
-    """Prompts of the step that replica generates."""
+    """Prompts of the step that replica generates (separate placement: all the rollout
+    ranks')."""
     data_path: str = ""
     """Whether per-token outputs cross ranks (``outputs.choose_path``): "shards" or "routed",
     with the reason."""
@@ -183,10 +187,11 @@ def _build(config: TrainConfig, models: dict[str, HFModelConfig], roles: Sequenc
     from vapo_megatron.trainer.session import build_engine, build_groups
 
     world_size = dist.get_world_size()
-    config.check(world_size)  # the real run's first refusal, with its message
-    tp = config.rollout.tensor_parallel_size
-    for problem in mp.rollout_tp_problems(models["policy"], tp, world_size):
-        raise ValueError(f"rollout.tensor_parallel_size: {problem}")
+    if config.rollout.placement == "colocated":  # separate: dry_run checked the whole job
+        config.check(world_size)  # the real run's first refusal, with its message
+        tp = config.rollout.tensor_parallel_size
+        for problem in mp.rollout_tp_problems(models["policy"], tp, world_size):
+            raise ValueError(f"rollout.tensor_parallel_size: {problem}")
     # The real run's host group is gloo; here every group is fake, and nothing is exchanged.
     policy_groups, critic_groups = build_groups(config, dist.group.WORLD)
     groups = {"policy": policy_groups, "critic": critic_groups}
@@ -386,6 +391,13 @@ def dry_run(
             f"{world_size}); give at least one"
         )
     config.check(world_size)  # before any layout arithmetic: the real run's first refusal
+    job_size, world_size = world_size, trainer_world(config, world_size)
+    if any(rank >= world_size for rank in ranks):
+        raise ValueError(
+            f"--ranks {list(ranks)}: under rollout.placement=separate ranks {world_size}.."
+            f"{job_size - 1} only generate (no model is built there); stand in for trainer "
+            f"ranks 0..{world_size - 1}"
+        )
     roles = _roles(config)
     counts = synthetic_token_counts(config)
     work = planner_workload(config, world_size)
@@ -410,15 +422,9 @@ def dry_run(
                     peer_shards(role, peer)
         with stand_in_for(rank, world_size):
             built = _build(config, models, roles)
-            k = config.rollout.tensor_parallel_size
-            replica = rank // k
-            prompts = replica_share(config.algorithm.prompts_per_step, world_size // k, replica)
             path, reason = data_path(config, built.engines)
-            report = RankReport(
-                rank=rank, world_size=world_size, replica=replica,
-                replica_ranks=list(range(replica * k, replica * k + k)),
-                replica_prompts=len(prompts), data_path=f"{path} ({reason})",
-            )  # fmt: skip
+            report = RankReport(rank=rank, world_size=world_size, data_path=f"{path} ({reason})",
+                                **_replica(config, rank, job_size))  # fmt: skip
             for role in roles:
                 engine, groups = built.engines[role], built.groups[role]
                 model_sd, optimizer_sd = _checkpoint_shards(engine)  # Adam's moments made
@@ -437,6 +443,25 @@ def dry_run(
                 report.models.append(ModelFigures(**figures, data=data))
             reports.append(report)
     return reports
+
+
+def trainer_world(config: TrainConfig, world_size: int) -> int:
+    """Ranks of a ``world_size``-rank job the models are built over: all of them colocated,
+    the trainer ranks (the first world - rollout.ranks) under the separate placement."""
+    return world_size - config.rollout.rollout_world(world_size)
+
+
+def _replica(config: TrainConfig, rank: int, world_size: int) -> dict[str, Any]:
+    """RankReport's vLLM fields of ``rank`` in a ``world_size``-rank job."""
+    k = config.rollout.tensor_parallel_size
+    prompts = config.algorithm.prompts_per_step
+    if config.rollout.placement == "separate":
+        trainers = trainer_world(config, world_size)
+        return {"replica": None, "replica_ranks": list(range(trainers, world_size)),
+                "replica_prompts": prompts}  # fmt: skip
+    share = replica_share(prompts, world_size // k, rank // k)
+    return {"replica": rank // k, "replica_ranks": list(range(rank // k * k, rank // k * k + k)),
+            "replica_prompts": len(share)}  # fmt: skip
 
 
 def _figures(

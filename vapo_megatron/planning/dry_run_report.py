@@ -27,9 +27,15 @@ ROWS = (
 
 def format_report(report: RankReport) -> str:
     """One rank's table: groups, then bytes built beside the planner's, then its data share."""
+    if report.replica is None:
+        where = (f"of {report.world_size} trainer ranks: no vLLM (separate placement: ranks "
+                 f"{_span(report.replica_ranks)} generate the step's {report.replica_prompts} "
+                 "prompts)")  # fmt: skip
+    else:
+        where = (f"of {report.world_size}: vLLM replica {report.replica} (ranks "
+                 f"{_span(report.replica_ranks)}, {report.replica_prompts} prompts of the step)")  # fmt: skip
     lines = [
-        f"== rank {report.rank} of {report.world_size}: vLLM replica {report.replica} (ranks "
-        f"{_span(report.replica_ranks)}, {report.replica_prompts} prompts of the step)",
+        f"== rank {report.rank} {where}",
         f"   data path     {report.data_path}",
     ]
     for m in report.models:

@@ -182,14 +182,24 @@ def rollout_layouts(hf: HFModelConfig, ranks: int, gpus_per_node: int,
                 yield RolloutLayout(tp=tp, dp=dp)
 
 
-def fastest_rollout(hf: HFModelConfig, gpu: GPUSpec, work: Workload, ranks: int,
-                    *, tp_only: bool = False) -> tuple[Decode, float] | None:  # fmt: skip
+def fastest_rollout(
+    hf: HFModelConfig,
+    gpu: GPUSpec,
+    work: Workload,
+    ranks: int,
+    *,
+    tp_only: bool = False,
+    layout: RolloutLayout | None = None,
+) -> tuple[Decode, float] | None:
     """(the fastest rollout on ``ranks`` rollout-only ranks, its tail seconds), over
-    :func:`rollout_layouts`; None when no layout holds one sequence per group."""
+    :func:`rollout_layouts` (``layout``: that one only); None when no layout holds one
+    sequence per group."""
     best = None
-    for layout in rollout_layouts(hf, ranks, work.gpus_per_node, tp_only=tp_only):
-        _, kv = rollout_rank_kv(hf, gpu, layout, work)
-        result = decode(hf, gpu, layout, ranks=ranks, kv_cache=kv,
+    layouts = [layout] if layout else rollout_layouts(hf, ranks, work.gpus_per_node,
+                                                      tp_only=tp_only)  # fmt: skip
+    for candidate in layouts:
+        _, kv = rollout_rank_kv(hf, gpu, candidate, work)
+        result = decode(hf, gpu, candidate, ranks=ranks, kv_cache=kv,
                         samples=work.samples_per_step, prompt_len=work.prompt_len,
                         response_len=work.response_len,
                         mean_response_fraction=work.mean_response_fraction,
@@ -297,18 +307,19 @@ def separate_step(
     *,
     tp_only: bool = False,
     search: bool = True,
+    layout: RolloutLayout | None = None,
 ) -> Separate | None:
     """The overlapped step of ``work.world_size`` ranks of which ``rollout_ranks`` generate,
     with the fastest rollout layout (``tp_only``: vLLM TP replicas only, what the trainer runs
     today) and ``models``' training layouts, or (``search``) the planner's first pair that fits
-    T ranks; None when no layout fits the trainer ranks, or no rollout layout holds a
-    sequence."""
+    T ranks; ``layout``: the rollout ranks' vLLM layout as given (a recipe's); None when no
+    layout fits the trainer ranks, or no rollout layout holds a sequence."""
     hf = models["lm"][0]
     if not 0 < rollout_ranks < work.world_size:
         return None
     trainers = replace(work, world_size=work.world_size - rollout_ranks)
     trainer = fitting_trainer(models, gpu, trainers, search=search)
-    rollout = fastest_rollout(hf, gpu, work, rollout_ranks, tp_only=tp_only)
+    rollout = fastest_rollout(hf, gpu, work, rollout_ranks, tp_only=tp_only, layout=layout)
     if trainer is None or rollout is None:
         return None
     trained: Models = {"lm": (hf, trainer.policy)}

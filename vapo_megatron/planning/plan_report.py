@@ -131,8 +131,9 @@ def format_plan(result: Plan, title: str, routes: dict[str, HostPart] | None = N
         lines.append(
             f"rollout of {work.samples_per_step} responses (mean "
             f"{work.mean_response_fraction:.0%} of {work.response_len} tokens): {duration} "
-            f"[estimated, memory-bound decode at "
-            f"{DECODE_EFFICIENCY:.0%} of {result.gpu.hbm_bytes_per_s / 1e12:.2f} TB/s]"
+            f"[estimated, planning/vllm.py: decode at {DECODE_EFFICIENCY:.0%} of "
+            f"{result.gpu.hbm_bytes_per_s / 1e12:.2f} TB/s or of the bf16 peak, and the "
+            "collectives' latency]"
         )
         lines.append(f"offload: {work.offload} ({OFFLOADS[work.offload]})")
         lines.append(
@@ -173,9 +174,11 @@ def colocated_summary(step: Colocated) -> dict[str, object]:
     }
 
 
-def separate_summary(step: Separate, colocated: Colocated) -> dict[str, object]:
+def separate_summary(
+    step: Separate, colocated: Colocated, same_layout: Colocated
+) -> dict[str, object]:
     """One split's figures (``planning/placement.py``; estimated) and its step over the
-    synchronous one's."""
+    synchronous one's, as planned and with vLLM laid out as on the rollout ranks."""
     summary = {"rollout.ranks": step.rollout_ranks, "trainer_ranks": step.trainer_ranks}
     summary.update({f"trainer_{k}": v for k, v in layout_summary(
         step.trainer.policy, step.trainer_ranks).items() if k in ("tp", "pp", "cp", "ep")})  # fmt: skip
@@ -195,6 +198,8 @@ def separate_summary(step: Separate, colocated: Colocated) -> dict[str, object]:
         wait_seconds=_seconds(step.wait_seconds),
         step_seconds=_seconds(step.step_seconds),
         over_synchronous=round(step.step_seconds / colocated.step_seconds, 2),
+        synchronous_same_layout_seconds=_seconds(same_layout.step_seconds),
+        over_synchronous_same_layout=round(step.step_seconds / same_layout.step_seconds, 2),
     )
     return summary
 
@@ -220,7 +225,9 @@ def format_placement(colocated: dict[str, object], splits: dict[str, dict[str, o
             f"cp{s['trainer_cp']}, peak {s['trainer_peak_gib']} GiB): step "
             f"{minutes(s['step_seconds'])} = max(training {minutes(s['train_seconds'])}, rollout "
             f"{minutes(s['rollout_seconds'])} + tail {minutes(s['tail_seconds'])}) + transfer "
-            f"{minutes(s['transfer_seconds'])}: {s['over_synchronous']} of the synchronous step"
+            f"{minutes(s['transfer_seconds'])}: {s['over_synchronous']} of the synchronous step "
+            f"({s['over_synchronous_same_layout']} of a synchronous step with vLLM "
+            f"{s['vllm_layout']}: {minutes(s['synchronous_same_layout_seconds'])})"
         )
     return "\n".join(lines)
 

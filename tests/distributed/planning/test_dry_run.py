@@ -200,3 +200,26 @@ def test_235b_recipe_at_world_256_agrees_with_the_planner() -> None:
         assert len(policy["groups"]["ep"]) == 32 and len(policy["groups"]["expt_dp"]) == 1
     assert first["policy"]["coords"]["ep"] == 0 and last["policy"]["coords"]["ep"] == 31
     assert first["vllm_replica_ranks"] == list(range(8)) and last["vllm_replica"] == 31
+
+
+@pytest.mark.timeout(240)
+def test_separate_placement_builds_the_trainer_ranks_only(assets: list[str]) -> None:
+    """rollout.placement=separate (issue 42): the models are built over the trainer ranks
+    (the first world - rollout.ranks), with the bytes of the same layout colocated on that
+    many ranks; a rollout rank builds nothing and is refused with the ranks to ask for."""
+    done = dry_run("tiny_cpu_async.yaml", "--world-size", "3", "--ranks", "0,1", *assets)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    colocated = dry_run("tiny_cpu.yaml", "--world-size", "2", "--ranks", "0,1", *assets)
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+    separate, together = last_json(done.stdout), last_json(colocated.stdout)
+    assert separate["world_size"] == 2  # the trainer ranks the models are built over
+    for mine, theirs in zip(separate["ranks"], together["ranks"], strict=True):
+        assert mine["vllm_replica"] is None and mine["vllm_replica_ranks"] == [2]
+        for role in ("policy", "critic"):
+            assert mine[role]["layout"] == theirs[role]["layout"]
+            assert mine[role]["built_bytes"] == theirs[role]["built_bytes"]
+            assert mine[role]["built_bytes"]["params"] == mine[role]["planned_bytes"]["params"]
+    assert "of 2 trainer ranks: no vLLM (separate placement: ranks [2]" in done.stdout
+    refused = dry_run("tiny_cpu_async.yaml", "--world-size", "3", "--ranks", "2", *assets)
+    assert refused.returncode != 0
+    assert "ranks 2..2 only generate" in refused.stdout + refused.stderr
