@@ -35,6 +35,7 @@ from vapo_megatron.checkpoint.model import (
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.parallel import collectives
 from vapo_megatron.weights import hf_io
+from vapo_megatron.weights.mtp import MTP_DIR, is_mtp_tensor, mtp_tensors, write_mtp
 from vapo_megatron.weights.record import ModelChunk, ModelRecord
 
 # ----- HF -> Megatron -----
@@ -93,6 +94,7 @@ def inspect_hf(
     expect = ModelRecord(hf, "value" if is_reward_model else "lm")
     whole = ModelChunk.whole(hf.num_layers)
     expected = set(expect.hf_names(whole))
+    names = {name for name in names if not is_mtp_tensor(hf, name)}  # weights/mtp.py
     missing, unexpected = sorted(expected - names), sorted(names - expected)
     if missing:
         raise ValueError(f"{hf_dir}: {len(missing)} tensor(s) missing: {missing[:8]}")
@@ -100,20 +102,14 @@ def inspect_hf(
         hint = ""
         if "lm_head.weight" in unexpected and hf.tie_word_embeddings:
             hint = " (config.json says tie_word_embeddings=true, but there is an lm_head.weight)"
-        if hf.mtp_num_layers and any(
-            name.startswith(f"model.layers.{hf.num_layers}.") for name in unexpected
-        ):
-            hint = (
-                f" (layers {hf.num_layers}.. are the num_nextn_predict_layers="
-                f"{hf.mtp_num_layers} multi-token-prediction layers, which this version does not "
-                "build or carry: docs/models.md)"
-            )
         raise ValueError(
             f"{hf_dir}: {len(unexpected)} unexpected tensor(s), not part of a "
             f"{hf.family} model with {hf.num_layers} layers{hint}: {unexpected[:8]}"
         )
     dtypes = set()
     for name, info in checkpoint.tensors.items():
+        if is_mtp_tensor(hf, name):
+            continue
         want = expect.hf_shape(name)
         if info.shape != want:
             raise ValueError(
@@ -207,6 +203,9 @@ def hf_to_mcore(
         assets = Path(out_dir) / ASSETS_DIR
         assets.mkdir()
         hf_io.copy_assets(source.checkpoint.path, assets)
+        if source.hf.mtp_num_layers:  # frozen, as they are (weights/mtp.py)
+            tensors = mtp_tensors(source.checkpoint.path, source.hf)
+            write_mtp(tensors, out_dir, source.checkpoint.config)
     collectives.barrier(None)
     return meta
 
@@ -317,6 +316,9 @@ def mcore_to_hf(
             for hf_name, tensor in record.megatron_to_hf(name, [finish(loaded[name])], chunk):
                 writer.add(hf_name, tensor)
         del loaded, requests
+    if hf.mtp_num_layers:  # carried beside the model (weights/mtp.py)
+        for hf_name, tensor in mtp_tensors(Path(ckpt_dir) / MTP_DIR, hf):
+            writer.add(hf_name, tensor)
     writer.close()
     hf_io.write_config(out_dir, hf_config)
     if assets_from.is_dir():

@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from vapo_megatron.checkpoint.model import make_metadata
-from vapo_megatron.models.config import Head
+from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.weights import hf_io
 from vapo_megatron.weights.buckets import NamedTensor
+from vapo_megatron.weights.mtp import mtp_tensors
 
 BUCKET_BYTES = 256 << 20
 """Bucket size of the export's stream (``ModelEngine.hf_buckets(BUCKET_BYTES)``)."""
@@ -36,7 +37,9 @@ def export_hf(
     """Collective: every rank consumes its ``buckets`` (the model's stream, e.g.
     ``ModelEngine.hf_buckets(BUCKET_BYTES)``); rank 0 writes ``out_dir`` (replaced atomically)
     while the others wait on ``host_group`` (gloo: the wait costs no GPU and follows its
-    timeout). ``head``, ``dtype``: the model's, for the written config."""
+    timeout). ``head``, ``dtype``: the model's, for the written config. A policy with MTP
+    layers (DeepSeek-V3) gets them from ``assets_from``'s HF checkpoint, unchanged
+    (``weights/mtp.py``)."""
     rank = dist.get_rank()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     writer = None
@@ -49,6 +52,10 @@ def export_hf(
             for name, tensor in bucket:
                 writer.add(name, tensor.to(HOST, copy=True))  # safetensors writes host memory
     if rank == 0:
+        hf = HFModelConfig.from_hf(hf_config)
+        if head == "lm" and hf.mtp_num_layers:  # frozen, from the model the run started from
+            for name, tensor in mtp_tensors(assets_from, hf):
+                writer.add(name, tensor)
         writer.close()
         meta = make_metadata(hf_config, head=head, tp=1, pp=1, dtype=dtype)
         hf_io.write_config(tmp, meta.hf_config)

@@ -125,6 +125,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vapo_megatron.models.config import Head, HFModelConfig, LayerSpecKind
+from vapo_megatron.weights.mtp import is_mtp_tensor
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -474,7 +475,9 @@ class ModelRecord:
         safetensors files); tensors of other stages are passed over, and each fused group is
         converted as soon as its last member arrives, so a converter holds at most one layer's
         partial group besides the result. Every returned tensor owns its storage. ValueError
-        for an unknown name, a duplicate, a wrong shape or a missing tensor.
+        for an unknown name, a duplicate, a wrong shape or a missing tensor. The MTP layers'
+        tensors (DeepSeek-V3's ``num_nextn_predict_layers``) are passed over: megatron does
+        not hold them (``weights/mtp.py``).
         """
         etp_rank = tp_rank if etp_rank is None else etp_rank
         etp_size = tp_size if etp_size is None else etp_size
@@ -487,6 +490,8 @@ class ModelRecord:
         shards: dict[str, torch.Tensor] = {}
         seen: set[str] = set()
         for hf_name, tensor in items:
+            if is_mtp_tensor(self.config, hf_name):
+                continue  # carried beside the model, frozen (weights/mtp.py)
             expected = self.hf_shape(hf_name)
             if tuple(tensor.shape) != expected:
                 raise ValueError(

@@ -3,8 +3,9 @@
 holds it as a buffer) and the same config.json.
 
 Tiny random models written by transformers (4 layers, the first dense; 8 experts in 4 groups,
-a shared expert); the conversions run in one 4-rank gloo launch and the exports in one 1-rank
-launch, as ``test_convert_qwen3.py``.
+a shared expert; DeepSeek-V3 with one multi-token-prediction layer, carried frozen beside the
+model); the conversions run in one 4-rank gloo launch and the exports in one 1-rank launch, as
+``test_convert_qwen3.py``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,25 @@ def make_model(out: Path, family: str, *, seed: int) -> None:
                 buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1)
     model.save_pretrained(out)
     (out / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    if family == "deepseek_v3":
+        add_mtp_layer(out, gen)
+
+
+def add_mtp_layer(out: Path, gen: torch.Generator) -> None:
+    """One multi-token-prediction layer (transformers builds none): a few of its tensors under
+    DeepSeek-V3's names, ``num_nextn_predict_layers`` 1 in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(out / "model.safetensors")
+    for name, shape in (
+        ("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
+        ("shared_head.norm.weight", (64,)), ("self_attn.q_a_proj.weight", (32, 64)),
+        ("mlp.gate.e_score_correction_bias", (8,)),
+    ):  # fmt: skip
+        tensors[f"model.layers.4.{name}"] = torch.randn(shape, generator=gen)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +112,11 @@ def test_round_trip_is_bit_identical(name: str, hf_models: Path, converted: Path
     assert_same_model(converted / "back" / name, hf_models / CONVERSIONS[name][0])
 
 
-def test_the_expert_bias_survives_as_it_was(hf_models: Path, converted: Path) -> None:
+def test_the_expert_bias_and_the_mtp_layer_survive(hf_models: Path, converted: Path) -> None:
     from tests.integration.weights.test_convert import hf_tensors
 
     back = hf_tensors(converted / "back" / "dsv3-tp2pp2ep2etp1")
     bias = back["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert bias.dtype == torch.float32 and bias.abs().min() > 0
+    assert sum(name.startswith("model.layers.4.") for name in back) == 6  # weights/mtp.py
+    assert (converted / "mcore" / "dsv3-tp2pp2ep2etp1" / "mtp" / "config.json").is_file()

@@ -150,3 +150,28 @@ def test_kimi_k2_reads_as_deepseek_v3(configs):
         50000.0, 32.0, 1.0,
     )  # fmt: skip
     assert kwargs["moe_router_num_groups"] is None
+
+
+def test_mtp_layers_are_passed_over_by_megatron_and_carried(configs, tmp_path):
+    from vapo_megatron.weights.mtp import is_mtp_tensor, mtp_tensors, write_mtp
+
+    config = dict(configs["deepseek_v3"], num_nextn_predict_layers=1)
+    hf = HFModelConfig.from_hf(config)
+    record = ModelRecord(hf)
+    tensors = full_hf(record)
+    mtp = {"model.layers.3.eh_proj.weight": torch.randn(64, 128)}
+    assert is_mtp_tensor(hf, "model.layers.3.eh_proj.weight")
+    assert not is_mtp_tensor(hf, "model.layers.2.self_attn.q_a_proj.weight")
+    assert not is_mtp_tensor(hf, "model.layers.4.eh_proj.weight")
+    shards = record.hf_to_megatron_shards(tensors | mtp, 0, 1, ModelChunk.whole(3))
+    assert not any(".layers.3." in name for name in shards)
+    with pytest.raises(ValueError, match="unknown HF tensor"):  # without MTP it is unknown
+        ModelRecord(HFModelConfig.from_hf(configs["deepseek_v3"])).hf_shape(next(iter(mtp)))
+    write_mtp(mtp.items(), tmp_path, config)
+    back = dict(mtp_tensors(tmp_path / "mtp", hf))
+    assert back.keys() == mtp.keys() and torch.equal(
+        back[next(iter(mtp))], next(iter(mtp.values()))
+    )
+    write_mtp([("model.norm.weight", torch.ones(64))], tmp_path / "other", config)
+    with pytest.raises(ValueError, match="no tensors of layers \\[3\\]"):
+        mtp_tensors(tmp_path / "other" / "mtp", hf)
