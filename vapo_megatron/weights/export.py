@@ -52,8 +52,8 @@ def export_hf(
             for name, tensor in bucket:
                 writer.add(name, tensor.to(HOST, copy=True))  # safetensors writes host memory
     if rank == 0:
-        hf = HFModelConfig.from_hf(hf_config)
-        if head == "lm" and hf.mtp_num_layers:  # frozen, from the model the run started from
+        hf = HFModelConfig.from_hf(hf_config) if head == "lm" else None
+        if hf is not None and hf.mtp_num_layers:  # frozen, from the model the run started from
             for name, tensor in mtp_tensors(assets_from, hf):
                 writer.add(name, tensor)
         writer.close()
