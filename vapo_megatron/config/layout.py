@@ -101,9 +101,10 @@ class ModelLayout:
         given += [f"{key}etp={self.etp}"] if self.etp not in (None, self.tp) else []
         which = f"{model} is" if model else "this model is"
         return (
-            f"{', '.join(given)}: expert parallelism needs a mixture-of-experts model (such as "
-            f"the qwen3_moe family), but {which} a dense {hf.family} model (no experts). Drop "
-            f"{key}ep and {key}etp from the recipe (ep=1, etp=null), or train an MoE model"
+            f"{', '.join(given)}: expert parallelism needs a mixture-of-experts model (the "
+            f"qwen3_moe, deepseek_v3 and glm4_moe families), but {which} a dense {hf.family} "
+            f"model (no experts). Drop {key}ep and {key}etp from the recipe (ep=1, etp=null), "
+            "or train an MoE model"
         )
 
 
