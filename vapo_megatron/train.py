@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import traceback
 from pathlib import Path
 
 from vapo_megatron.run_log import open_rank_log, quiet_dependencies, setup_logging
@@ -91,4 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # megatron's checkpoint writer spawns processes that import this
-    sys.exit(main())
+    try:
+        code = main()
+    except Exception:  # a failed rank must not linger on a library's non-daemon thread,
+        traceback.print_exc()  # holding the launcher (and the others' collectives) until timeout
+        sys.stderr.flush()
+        os._exit(1)
+    sys.exit(code)
