@@ -5,8 +5,11 @@ arithmetic on small cases; the 32B recipe's split."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +27,8 @@ from vapo_megatron.planning.params import (
 from vapo_megatron.planning.presets import GPUS, MODEL_PRESETS
 from vapo_megatron.planning.vllm import RolloutLayout, kv_bytes_per_token, vllm_weight_bytes
 from vapo_megatron.planning.workload import Workload
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def preset(name: str) -> HFModelConfig:
@@ -170,3 +175,45 @@ def test_moe_rollout_ranks_take_data_parallel_attention_where_it_pays() -> None:
     assert best[0].sequences_per_replica > tp_only[0].sequences_per_replica
     one = replace(work, samples_per_step=1)
     assert math.isfinite(pl.fastest_rollout(hf, gpu, one, 8)[0].seconds)
+
+
+def _plan_tool():
+    spec = importlib.util.spec_from_file_location("plan_tool", REPO / "tools" / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("recipe", "model", "nodes"),
+    [("vapo_deepseek_v3.yaml", "deepseek-v3", 128), ("vapo_moonlight_16b_a3b.yaml",
+                                                     "moonlight-16b-a3b", 2)],
+)  # fmt: skip
+def test_family_recipes_fit_with_8_gib_in_every_phase(recipe, model, nodes, capsys) -> None:
+    args = ["--recipe", str(REPO / "recipes" / recipe), "--model", model, "--nodes", str(nodes)]
+    assert _plan_tool().main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["recipe_fits"] and out["recipe_changes"] == {} and out["headroom_gib"] >= 8, out
+    assert out["layout"]["policy"]["ep"] > 1 and out["kv_sequences_per_replica"] >= 8
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("recipe", "args", "rollout_ranks"),
+    [
+        ("vapo_qwen2.5_32b_async.yaml", ["--model", "qwen2.5-32b", "--nodes", "16"], 48),
+        ("vapo_qwen2.5_32b_rm7b_async.yaml", ["--model", "qwen2.5-32b", "--critic-model",
+                                              "acemath-7b-rm-32k", "--nodes", "16"], 64),
+        ("vapo_qwen3_30b_a3b_async.yaml", ["--model", "qwen3-30b-a3b", "--nodes", "8"], 32),
+    ],
+)  # fmt: skip
+def test_separate_recipes_plan_their_own_split(recipe, args, rollout_ranks, capsys) -> None:
+    """Each separate recipe's split is the planner's best with vLLM TP replicas, its trainer
+    ranks fit with its own layouts, and its step is reported beside the synchronous one."""
+    assert _plan_tool().main(["--recipe", str(REPO / "recipes" / recipe), *args]) == 0
+    placement = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["placement"]
+    mine, best = placement["recipe split"], placement["best split, vLLM TP"]
+    assert mine["rollout.ranks"] == best["rollout.ranks"] == rollout_ranks
+    assert mine["step_seconds"] == best["step_seconds"] and mine["trainer_peak_gib"] < 71.7
+    assert mine["kv_sequences_per_replica"] >= 8 and mine["over_synchronous"] < 1.3
