@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
           f"sequences {work.prompt_len} + {work.response_len} tokens, micro-batch "
           f"{work.micro_batch_tokens} tokens")  # fmt: skip
     summary: dict[str, object] = {}
-    proposal = None
+    proposal = as_written = None
     if config is not None:
         critic = config.critic.layout if work.uses_critic else None
         as_written = mp.plan(hf, gpu, config.policy.layout, critic, work, critic_hf=critic_hf)
@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"offload={offload} ({OFFLOADS[offload]}): update peak "
                   f"{train_peak / GIB:.1f} GiB, vLLM could take gpu_memory_utilization "
                   f"{util:.2f} ({alt.concurrent_sequences:.1f} sequences per replica)")  # fmt: skip
-    placement = compare_placements(args, config, proposal, critic_hf)
+    baseline = as_written if config is not None else proposal  # the recipe's layouts
+    placement = compare_placements(args, config, baseline, critic_hf)
     if placement:
         summary["placement"] = placement
     routes = route_parts(proposal, hf, critic_hf)

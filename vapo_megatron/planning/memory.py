@@ -183,12 +183,14 @@ class Plan:
     def decode(self) -> Decode:
         """The rollout estimate of this colocated plan (``planning/vllm.py::decode``)."""
         work = self.workload
-        return decode(self.hf, self.gpu, RolloutLayout(tp=work.rollout_tp),
-                      ranks=work.world_size, kv_cache=self.kv_cache,
-                      samples=work.samples_per_step, prompt_len=work.prompt_len,
-                      response_len=work.response_len,
-                      mean_response_fraction=work.mean_response_fraction,
-                      gpus_per_node=work.gpus_per_node)  # fmt: skip
+        return decode(
+            self.hf,
+            self.gpu,
+            RolloutLayout(tp=work.rollout_tp),
+            work,
+            ranks=work.world_size,
+            kv_cache=self.kv_cache,
+        )
 
     @property
     def fits(self) -> bool:

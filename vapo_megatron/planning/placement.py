@@ -94,10 +94,9 @@ def tail_seconds(hf: HFModelConfig, gpu: GPUSpec, result: Decode, work: Workload
     sequence (module doc); 0 when nothing can be generated."""
     if not math.isfinite(result.seconds):
         return 0.0
-    one = decode(hf, gpu, result.layout, ranks=result.layout.tp, kv_cache=result.kv_cache,
-                 samples=1, prompt_len=work.prompt_len, response_len=work.response_len,
-                 mean_response_fraction=work.mean_response_fraction,
-                 gpus_per_node=work.gpus_per_node)  # fmt: skip
+    one = decode(
+        hf, gpu, result.layout, work, ranks=result.layout.tp, kv_cache=result.kv_cache, samples=1
+    )
     mean = work.response_len * work.mean_response_fraction
     return one.seconds / mean * (work.response_len - mean)
 
@@ -127,8 +126,9 @@ class Colocated:
         return self.rollout_seconds + self.train_seconds + self.switch_seconds
 
 
-def colocated_step(result: mp.Plan, models: Models, layout: RolloutLayout | None = None
-                   ) -> Colocated:  # fmt: skip
+def colocated_step(
+    result: mp.Plan, models: Models, layout: RolloutLayout | None = None
+) -> Colocated:
     """The synchronous step of ``result`` (a colocated plan of ``models``); ``layout``: vLLM
     laid out so instead of the plan's TP (the same memory share, its KV cache what the
     layout's weights leave), to compare placements at one rollout layout."""
@@ -141,11 +141,7 @@ def colocated_step(result: mp.Plan, models: Models, layout: RolloutLayout | None
     rollout = result.decode()
     if layout is not None:
         kv = result.kv_cache + result.vllm_weights - vllm_weight_bytes(result.hf, layout)
-        rollout = decode(result.hf, gpu, layout, ranks=work.world_size, kv_cache=max(kv, 0),
-                         samples=work.samples_per_step, prompt_len=work.prompt_len,
-                         response_len=work.response_len,
-                         mean_response_fraction=work.mean_response_fraction,
-                         gpus_per_node=work.gpus_per_node)  # fmt: skip
+        rollout = decode(result.hf, gpu, layout, work, ranks=work.world_size, kv_cache=max(kv, 0))
     return Colocated(plan=result, decode=rollout, tail_seconds=tail_seconds(result.hf, gpu,
                      rollout, work), train_seconds=train_seconds(models, gpu, work,
                      work.world_size), switch_seconds=switch)  # fmt: skip
@@ -199,11 +195,7 @@ def fastest_rollout(
                                                       tp_only=tp_only)  # fmt: skip
     for candidate in layouts:
         _, kv = rollout_rank_kv(hf, gpu, candidate, work)
-        result = decode(hf, gpu, candidate, ranks=ranks, kv_cache=kv,
-                        samples=work.samples_per_step, prompt_len=work.prompt_len,
-                        response_len=work.response_len,
-                        mean_response_fraction=work.mean_response_fraction,
-                        gpus_per_node=work.gpus_per_node)  # fmt: skip
+        result = decode(hf, gpu, candidate, work, ranks=ranks, kv_cache=kv)
         if result.sequences_per_group < 1:
             continue
         total = (result, tail_seconds(hf, gpu, result, work))

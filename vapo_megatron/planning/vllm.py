@@ -23,7 +23,7 @@ routes to nearly every expert: the whole shard is read.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import HFModelConfig
@@ -34,6 +34,7 @@ from vapo_megatron.planning.params import (
     total_param_count,
 )
 from vapo_megatron.planning.presets import GPUSpec
+from vapo_megatron.planning.workload import Workload
 
 DECODE_EFFICIENCY = 0.5
 """Share of the HBM bandwidth a decode step reaches (an estimate)."""
@@ -115,24 +116,23 @@ def decode(
     hf: HFModelConfig,
     gpu: GPUSpec,
     layout: RolloutLayout,
+    work: Workload,
     *,
     ranks: int,
     kv_cache: int,
-    samples: int,
-    prompt_len: int,
-    response_len: int,
-    mean_response_fraction: float,
-    gpus_per_node: int,
+    samples: int | None = None,
 ) -> Decode:
-    """The rollout estimate of the module doc for ``samples`` responses on ``ranks`` ranks
-    laid out as ``layout``, each with ``kv_cache`` bytes of KV cache."""
+    """The rollout estimate of the module doc for ``samples`` responses (None: the step's,
+    ``work.samples_per_step``) of ``work``'s lengths on ``ranks`` ranks laid out as
+    ``layout``, each with ``kv_cache`` bytes of KV cache."""
+    samples = work.samples_per_step if samples is None else samples
     kv_tok = kv_bytes_per_token(hf, layout.tp)
     weights = vllm_weight_bytes(hf, layout)
-    mean_response = response_len * mean_response_fraction
-    mean_len = prompt_len + mean_response
+    mean_response = work.response_len * work.mean_response_fraction
+    mean_len = work.prompt_len + mean_response
     per_group = samples / (ranks // layout.tp)
     concurrent = min(per_group, kv_cache / (kv_tok * mean_len))
-    full = kv_cache / (kv_tok * (prompt_len + response_len))
+    full = kv_cache / (kv_tok * work.sequence_len)
     result = Decode(layout=layout, ranks=ranks, kv_cache=kv_cache, kv_per_token=kv_tok,
                     weights=weights, sequences_per_group=full, seconds=math.inf)  # fmt: skip
     if concurrent < 1:
@@ -141,9 +141,9 @@ def decode(
     flops = 2 * active_param_count(hf, head="lm") * concurrent / layout.tp
     step = max(read / (gpu.hbm_bytes_per_s * DECODE_EFFICIENCY),
                flops / (gpu.bf16_flops * DECODE_COMPUTE_EFFICIENCY))  # fmt: skip
-    step += step_latency(hf, layout, gpus_per_node)
+    step += step_latency(hf, layout, work.gpus_per_node)
     steps = per_group / concurrent * mean_response
-    return Decode(**{**result.__dict__, "seconds": steps * step})
+    return replace(result, seconds=steps * step)
 
 
 def step_latency(hf: HFModelConfig, layout: RolloutLayout, gpus_per_node: int) -> float:
