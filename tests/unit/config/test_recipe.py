@@ -17,7 +17,11 @@ from vapo_megatron.config.train import TrainConfig
 pytestmark = pytest.mark.unit
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 # World sizes each recipe is written for: the paper's 16 x 8 H100, one node, the laptop.
-WORLD = {"vapo_qwen2.5_7b.yaml": 8, "tiny_cpu.yaml": 2, "vapo.yaml": None}
+WORLD = {
+    "vapo_qwen2.5_7b.yaml": 8, "tiny_cpu.yaml": 2, "vapo.yaml": None,
+    # The separate placement: its rollout.ranks generate, the rest must fit the layouts.
+    "tiny_cpu_async.yaml": 3, "vapo_qwen3_235b_a22b_async.yaml": 256,
+}  # fmt: skip
 
 
 def minimal(**sections):
