@@ -59,6 +59,14 @@ ROWS = (
     ("grpo", "GRPO"),
     ("dapo", "DAPO"),
     ("orz", "ORZ (PPO, lambda = 1)"),
+    ("vapo_lag1", "VAPO, lag 1, V-trace GAE"),
+    ("vapo_lag4", "VAPO, lag 4, V-trace GAE"),
+    ("vapo_lag1_uncorrected", "VAPO, lag 1, plain GAE"),
+    ("vapo_lag4_uncorrected", "VAPO, lag 4, plain GAE"),
+    ("vapo_lag8", "VAPO, lag 8, V-trace GAE"),
+    ("vapo_lag8_uncorrected", "VAPO, lag 8, plain GAE"),
+    ("vapo_lag16", "VAPO, lag 16, V-trace GAE"),
+    ("vapo_lag16_uncorrected", "VAPO, lag 16, plain GAE"),
 )
 PAPER_AIME24 = {
     "vapo": 60, "vapo_without_value_pretraining": 11, "vapo_without_decoupled_gae": 33,
@@ -67,8 +75,21 @@ PAPER_AIME24 = {
     "vapo_without_group_sampling": 55, "ppo": 5, "dapo": 50,
 }  # fmt: skip
 """avg@32 on AIME 2024 in the paper's Table 1 (Qwen2.5-32B); the other rows are not in it."""
-VARIANTS: dict[str, str] = {"vapo_small_critic": "vapo"}
+VARIANTS: dict[str, str] = {
+    "vapo_small_critic": "vapo",
+    **{f"vapo_lag{k}{s}": "vapo" for k in (1, 4, 8, 16) for s in ("", "_uncorrected")},
+}
 """Rows that are a preset run with other recipe values (``variant_overrides``)."""
+LAG_POLICY_LOSS = ['algorithm.rollout_correction.truncate="token"']
+"""Every lag row's policy loss: the decoupled objective, each token's PPO loss weighted by
+min(pi_old / mu, 2) (token-level TIS at its default C), so the lag rows differ in GAE alone."""
+LAG_OVERRIDES: dict[str, list[str]] = {
+    f"vapo_lag{k}{s}": [f"rollout.lag={k}", *LAG_POLICY_LOSS]
+    + (['algorithm.off_policy_correction="none"'] if s else [])
+    for k in (1, 4, 8, 16)
+    for s in ("", "_uncorrected")
+}
+"""Issue 42: generation k steps behind (rollout.lag), GAE with V-trace traces or plain."""
 PAPER_MAX_NEW_TOKENS = 20480
 """The paper's response length, against which DAPO's 4096-token overlong buffer is scaled."""
 
@@ -103,7 +124,10 @@ def variant_overrides(name: str, config: TrainConfig) -> list[str]:
     """Recipe overrides of row ``name`` beyond its preset's algorithm keys. vapo_small_critic:
     the critic is its own model, the tiny reward model (1 layer, half the policy's width, the
     policy's tokenizer; tiny/reward_model.py) written next to the policy on first use,
-    and starts from it (a value head on another model's trunk cannot start from the policy)."""
+    and starts from it (a value head on another model's trunk cannot start from the policy).
+    vapo_lag*: ``LAG_OVERRIDES``."""
+    if name in LAG_OVERRIDES:
+        return list(LAG_OVERRIDES[name])
     if name != "vapo_small_critic":
         return []
     critic = Path(config.model.path).parent / "small_critic"
@@ -166,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE)
     parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N (trainer.seed)")
     parser.add_argument(
-        "--rows", "--only", dest="only", help="comma-separated row names (default: all rows)"
+        "--rows",
+        "--only",
+        dest="only",
+        help="comma-separated row names (default: every row but the lag rows, vapo_lag*)",
     )
     parser.add_argument("--steps", type=int, help="VAPO steps per run (default: the recipe's)")
     parser.add_argument("--out", type=Path, default=Path("runs/ablate"))
@@ -174,12 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path, help="held-out curves per row (default OUT/curves.png)")
     parser.add_argument("overrides", nargs="*", help="section.key=value for every run")
     args = parser.parse_args(argv)
-    names = [name for name, _ in ROWS]
+    names = [name for name, _ in ROWS if name not in LAG_OVERRIDES]
     if args.only:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]
-        unknown = [n for n in wanted if n not in names]
+        unknown = [n for n in wanted if n not in dict(ROWS)]
         if unknown:
-            print(f"error: unknown row(s) {unknown}; choose from {names}", file=sys.stderr)
+            print(
+                f"error: unknown row(s) {unknown}; choose from {list(dict(ROWS))}", file=sys.stderr
+            )
             return 2
         names = wanted
     if args.seeds < 1:
