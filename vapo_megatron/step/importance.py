@@ -84,16 +84,10 @@ def stale_traces(
     *,
     monte_carlo: bool,
 ) -> StaleTraces | None:
-    """The step's traces, or None where GAE is today's: off_policy_correction none, critic
-    pretraining (Monte-Carlo targets of a frozen policy), no critic, or no stale sample.
+    """The step's traces (GAE uses them with off_policy_correction vtrace; the metrics
+    whatever it is), or None where there are none: critic pretraining (Monte-Carlo targets of a frozen policy), no critic, or no stale sample.
     staleness: [S] int64 policy versions behind the update (None: all 0)."""
-    if (
-        algo.off_policy_correction != "vtrace"
-        or monte_carlo
-        or not algo.uses_critic
-        or staleness is None
-        or not bool((staleness > 0).any())
-    ):
+    if monte_carlo or not algo.uses_critic or staleness is None or not bool((staleness > 0).any()):
         return None
     if rollout_logprobs is None:
         raise RuntimeError("V-trace GAE needs the engine's log-probs of the stale samples")
@@ -136,13 +130,16 @@ def gather_policy_logprobs(
     traces.policy_logprobs = out
 
 
-def policy_trace_metrics(scored: Scored, inputs: StepInputs) -> dict[str, float]:
-    """``trace_metrics`` on the policy's side of the scoring outputs (empty without traces)."""
+def policy_trace_metrics(
+    scored: Scored, inputs: StepInputs, traces: StaleTraces | None
+) -> dict[str, float]:
+    """``trace_metrics`` of ``traces`` on the policy's side of the scoring outputs (empty
+    without traces)."""
     policy = scored.policy
-    if inputs.traces is None or policy is None:
+    if traces is None or policy is None:
         return {}
     return trace_metrics(
-        inputs.traces, policy.held, policy.arrays["old_logprobs"], policy.sums,
+        traces, policy.held, policy.arrays["old_logprobs"], policy.sums,
         inputs.responses.offsets,
     )  # fmt: skip
 

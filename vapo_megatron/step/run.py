@@ -69,17 +69,18 @@ def run_step(
     path = output_path(ctx, models, trajectories, step, label=label)
     metrics["data/shard_path"] = float(path.name == "shards")
     policy_routes = engine_routes(ctx, models, trajectories, path)
+    traces = step_traces(cfg.algorithm, trajectories, step, monte_carlo=pretrain)
     inputs = StepInputs(
         trajectories.prompts, trajectories.responses, trajectories.reward,
         trajectories.rollout_logprobs, routes=policy_routes,
-        traces=step_traces(cfg.algorithm, trajectories, step, monte_carlo=pretrain),
+        traces=traces if cfg.algorithm.off_policy_correction == "vtrace" else None,
     )  # fmt: skip
     scored = path.score(
         models, inputs, algo=cfg.algorithm, monte_carlo=pretrain,
         token_budget=cfg.trainer.micro_batch_tokens,
     )  # fmt: skip
     metrics.update(logprob_gap_metrics(scored, inputs))
-    metrics.update(policy_trace_metrics(scored, inputs))
+    metrics.update(policy_trace_metrics(scored, inputs, traces))  # measured either way
     if not cfg.algorithm.rollout_correction.enabled:  # nothing else reads them: freed
         trajectories.rollout_logprobs = None
         inputs.rollout_logprobs = None

@@ -37,7 +37,6 @@ def test_fresh_samples_get_one_and_stale_ones_pi_old_over_mu():
 @pytest.mark.parametrize(
     "algo,staleness,monte_carlo",
     [
-        (AlgoConfig(off_policy_correction="none"), (0, 2, 1), False),
         (AlgoConfig(), (0, 0, 0), False),
         (AlgoConfig(), (0, 2, 1), True),
         (
@@ -78,3 +77,10 @@ def test_the_traces_need_the_engine_log_probs():
     t = traces()
     with pytest.raises(RuntimeError, match="gather_policy_logprobs"):
         t.ratios_at(torch.arange(6))
+
+
+def test_the_traces_are_measured_without_the_correction_too():
+    engine = torch.zeros(6)
+    algo = AlgoConfig(off_policy_correction="none")
+    traces = stale_traces(algo, engine, torch.tensor([0, 2, 1]), OFFSETS, monte_carlo=False)
+    assert traces is not None and bool(traces.stale.any())  # the step's GAE gets none
