@@ -61,15 +61,7 @@ def apply_megatron_patches() -> None:
         return dist.get_rank(group) if group is not None else tp_rank(*args, **kwargs)
 
     original = attention.SelfAttention.get_query_key_value_tensors
-
-    @functools.wraps(original)
-    def get_qkv(self, *args, **kwargs):
-        previous = getattr(_state, "tp_group", None)
-        _state.tp_group = self.pg_collection.tp
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _state.tp_group = previous
+    get_qkv = _in_layer_group(original)
 
     attention.all_gather_last_dim_from_tensor_parallel_region = gather_with_layer_group
     attention.get_tensor_model_parallel_rank = rank_in_layer_group
@@ -123,14 +115,9 @@ def _with_layer_group(function):
     return wrapped
 
 
-def _patch_mla() -> None:
-    from megatron.core.transformer import multi_latent_attention as mla
-
-    if importlib.util.find_spec("transformer_engine") is None:
-        mla.HAVE_TE = False
-    for name in ("gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region"):
-        setattr(mla, name, _with_layer_group(getattr(mla, name)))
-    original = mla.MLASelfAttention.get_query_key_value_tensors
+def _in_layer_group(original):
+    """``original`` (an attention's get_query_key_value_tensors) run with its own layer's TP
+    group as the one the patched gathers use."""
 
     @functools.wraps(original)
     def get_qkv(self, *args, **kwargs):
@@ -140,5 +127,18 @@ def _patch_mla() -> None:
             return original(self, *args, **kwargs)
         finally:
             _state.tp_group = previous
+
+    return get_qkv
+
+
+def _patch_mla() -> None:
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        mla.HAVE_TE = False
+    for name in ("gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region"):
+        setattr(mla, name, _with_layer_group(getattr(mla, name)))
+    original = mla.MLASelfAttention.get_query_key_value_tensors
+    get_qkv = _in_layer_group(original)
 
     mla.MLASelfAttention.get_query_key_value_tensors = get_qkv

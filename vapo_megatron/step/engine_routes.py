@@ -107,11 +107,7 @@ def routes_to_owners(
     me = dist.get_rank(host_group)
     ranks = collectives.all_gather_objects((dp_rank, tuple(layers)), host_group)
     for rank, (_, its_layers) in enumerate(ranks):
-        if not its_layers or not all(0 <= layer < store.shape[0] for layer in its_layers):
-            raise ValueError(
-                f"rank {rank} asks for the routes of layers {list(its_layers)}; the engine's "
-                f"routes have {store.shape[0]} layers"
-            )
+        check_layers(f"rank {rank}", its_layers, store)
     rounds = exchange_rounds(ranks)
     holder, first = route_at[:, 0].tolist(), route_at[:, 1].tolist()
     counts = row_counts.tolist()
@@ -144,6 +140,15 @@ def routes_to_owners(
     return step_routes(kept, len(owners), shape)
 
 
+def check_layers(who: str, layers: Sequence[int], store: RouteStore) -> None:
+    """ValueError unless ``layers`` (what ``who`` asks for) are layers of the store's routes."""
+    if not layers or not all(0 <= layer < store.shape[0] for layer in layers):
+        raise ValueError(
+            f"{who} asks for the routes of layers {list(layers)}; the engine's routes have "
+            f"{store.shape[0]} layers"
+        )
+
+
 def local_routes(
     route_at: torch.Tensor,
     row_counts: torch.Tensor,
@@ -153,11 +158,7 @@ def local_routes(
     layers: Sequence[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``routes_to_owners`` where this rank's ``store`` holds every sample's routes."""
-    if not layers or not all(0 <= layer < store.shape[0] for layer in layers):
-        raise ValueError(
-            f"this rank asks for the routes of layers {list(layers)}; the engine's routes have "
-            f"{store.shape[0]} layers"
-        )
+    check_layers("this rank", layers, store)
     index = torch.tensor(layers, dtype=torch.long, device=HOST)
     counts, first = row_counts.tolist(), route_at[:, 1].tolist()
     kept = {
