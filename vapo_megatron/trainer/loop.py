@@ -82,6 +82,11 @@ def train(config: TrainConfig) -> dict:
         )  # fmt: skip
         _write_summary(run, summary)
         return summary
+    except BaseException:
+        # Mid-protocol a STOP order could wait forever on a rollout rank busy in another
+        # group: the launcher (or torchrun/srun) ends the rollout ranks with the failed job.
+        session.remote = None
+        raise
     finally:
         flag.uninstall()
         metrics_log.close()
