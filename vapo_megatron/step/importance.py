@@ -169,7 +169,7 @@ def trace_metrics(
         (r > traces.rho_bar).sum(dtype=torch.float64),
         (r > 2).sum(dtype=torch.float64),
         (r < 0.5).sum(dtype=torch.float64),
-        (r.log().abs().sum() if r.numel() else torch.zeros((), dtype=torch.float64)),
+        (r.log().abs().sum() if r.numel() else torch.zeros((), dtype=torch.float64, device=HOST)),
     ]
     count, total, truncated, above, below, abs_log = sums.total(parts).tolist()
     n = max(count, 1.0)

@@ -105,7 +105,9 @@ def gather_routes(trajectories: Trajectories, host_group: dist.ProcessGroup) -> 
     parts = [store.sample(f, int(counts[i])) for f, i in zip(firsts, mine.tolist(), strict=True)]
     width = store.shape[0] * store.shape[1]
     local = (
-        torch.cat([x.reshape(-1) for x in parts]) if parts else torch.zeros(0, dtype=torch.int16)
+        torch.cat([x.reshape(-1) for x in parts])
+        if parts
+        else torch.zeros(0, dtype=torch.int16, device=HOST)
     )
     # gloo has no int16: the routes travel as their bytes.
     gathered = collectives.all_gather_varlen(local.view(torch.uint8), host_group)

@@ -161,17 +161,19 @@ class RolloutServer:
                 f"the engine holds version {self.version}: the orders broke the schedule"
             )
         dynamic = self.ctx.config.algorithm.dynamic_sampling
-        trajectories, stats = collect_rollouts(self.ctx, target, dynamic=dynamic)
-        trajectories.version = torch.full((len(trajectories),), self.version, device=HOST)
-        gather_routes(trajectories, self.ctx.host_group)
-        self.made.append((QueuedBatch(target, self.version, trajectories, stats), self.sampler()))
+        self.made.append((self.collect(target, target, dynamic=dynamic), self.sampler()))
         self.made_upto = target
 
     def pretrain(self, seed_step: int, index: int, _text: bytes) -> None:
-        trajectories, stats = collect_rollouts(self.ctx, seed_step, dynamic=False)
+        self.send(self.collect(index, seed_step, dynamic=False), self.sampler())
+
+    def collect(self, step: int, seed_step: int, *, dynamic: bool) -> QueuedBatch:
+        """Batch ``step`` (sampled with ``seed_step``'s seeds) by the weights held, its
+        versions set and its MoE routes whole on every rollout rank."""
+        trajectories, stats = collect_rollouts(self.ctx, seed_step, dynamic=dynamic)
         trajectories.version = torch.full((len(trajectories),), self.version, device=HOST)
         gather_routes(trajectories, self.ctx.host_group)
-        self.send(QueuedBatch(index, self.version, trajectories, stats), self.sampler())
+        return QueuedBatch(step, self.version, trajectories, stats)
 
     def flush(self, _a: int, _b: int, _text: bytes) -> None:
         if self.is_sender:

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.parallel.placement import bridge_broadcast
 
 MAX_DIMS = 8
@@ -76,7 +77,7 @@ def recv_buckets(
 
 def _layout(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[int], int]:
     """(rows [n, 2 + MAX_DIMS] int64 on the host, each tensor's byte offset, payload bytes)."""
-    rows = torch.zeros(len(bucket), 2 + MAX_DIMS, dtype=torch.long)
+    rows = torch.zeros(len(bucket), 2 + MAX_DIMS, dtype=torch.long, device=HOST)
     offsets, at = [], 0
     for i, (name, tensor) in enumerate(bucket):
         if tensor.dtype not in DTYPES or tensor.dim() > MAX_DIMS or "\n" in name:
@@ -85,7 +86,7 @@ def _layout(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, l
                 f"bucket (dtypes {DTYPES}, at most {MAX_DIMS} dims, no newline in the name)"
             )
         rows[i, 0], rows[i, 1] = DTYPES.index(tensor.dtype), tensor.dim()
-        rows[i, 2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.long)
+        rows[i, 2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.long, device=HOST)
         offsets.append(at)
         at += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
     return rows, offsets, at
