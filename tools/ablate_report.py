@@ -11,7 +11,10 @@ finished when its summary.json exists) and writes:
   the critic's explained variance and its values' mean minus the returns' mean (the bias a
   critic started from a reward model carries) and its value at the first response token
   minus the return there (``first_token_bias``, from the step's ``critic/value_first_token``
-  and ``critic/return_first_token``) over the first and last fifth of the steps,
+  and ``critic/return_first_token``), the value and return at the quarters and the last
+  token of the responses, the share of wrong answers' tokens with a positive advantage
+  (``advantages/positive_share_failing``, before whitening) over the first and last fifth of
+  the steps,
   the mean response length over the steps, the clip fractions, and the held-out curve;
   ``late``: per seed the mean of the evaluations in the last half of the steps (less noisy
   than one evaluation), and ``paired``: each row's late mean minus VAPO's, seed by seed, with
@@ -55,6 +58,13 @@ DIAGNOSTIC_KEYS = {
     "truncated": "response_length/clip_frac",
     "value_first_token": "critic/value_first_token",
     "return_first_token": "critic/return_first_token",
+    **{
+        f"{kind}_{point}": f"critic/{kind}_{point}"
+        for point in ("q1", "half", "q3", "last")
+        for kind in ("value", "return")
+    },
+    "positive_share_failing": "advantages/positive_share_failing",
+    "positive_share_passing": "advantages/positive_share_passing",
 }
 """Diagnostic name -> the trainer's metric (train phase)."""
 REFERENCE = "vapo"

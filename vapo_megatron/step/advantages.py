@@ -32,9 +32,11 @@ from vapo_megatron.step.outputs import Scored, Side, StepInputs, TokenFields
 from vapo_megatron.step.token_sums import (
     TokenSums,
     critic_metrics,
+    failing_advantage_metrics,
     first_token_metrics,
     lambda_metrics,
     logprob_gap_sum,
+    profile_metrics,
 )
 
 
@@ -321,6 +323,13 @@ def _whiten_and_measure(
     holds values) and the advantages' mean and std to ``metrics``."""
     arrays, sums = side.arrays, side.sums
     offsets = inputs.responses.offsets
+    lengths = offsets.diff()
+    if "advantages" in arrays:  # before whitening moves their zero
+        metrics.update(
+            failing_advantage_metrics(
+                sums, side.held, lengths, arrays["advantages"], inputs.rewards
+            )
+        )
     if "advantages" in arrays and whitened:
         whiten_(arrays["advantages"], sums)
     if "old_values" in arrays:
@@ -332,6 +341,9 @@ def _whiten_and_measure(
         )
         metrics.update(
             first_token_metrics(sums, side.held, arrays["returns"], arrays["old_values"])
+        )
+        metrics.update(
+            profile_metrics(sums, side.held, lengths, arrays["returns"], arrays["old_values"])
         )
     if "advantages" in arrays:
         mean, std = sums.mean_std(arrays["advantages"])

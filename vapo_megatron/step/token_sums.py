@@ -112,6 +112,11 @@ def critic_metrics(
     }
 
 
+PROFILE_POINTS = {"q1": 0.25, "half": 0.5, "q3": 0.75, "last": 1.0}
+"""Positions along a response past its first token (``profile_metrics``): token
+round(f (R - 1)) of a response of R tokens."""
+
+
 def first_token_metrics(
     sums: TokenSums, held: HeldTokens, returns: torch.Tensor, values: torch.Tensor
 ) -> dict[str, float]:
@@ -122,45 +127,86 @@ def first_token_metrics(
     first token is counted where ``sums`` counts it (once over the job), so any layout gives
     the same means."""
     first = torch.tensor([held.start[i] for i in held.ids.tolist()], dtype=torch.long, device=HOST)
-    if sums.counting is not None:
-        first = first[sums.counting[first]]
-    n, v, r = sums.total(
+    v, r = _means_at(sums, first, values, returns)
+    return {"critic/value_first_token": v, "critic/return_first_token": r}
+
+
+def profile_metrics(
+    sums: TokenSums,
+    held: HeldTokens,
+    response_lengths: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+) -> dict[str, float]:
+    """The critic's value and the return along the responses (``critic/value_<point>``,
+    ``critic/return_<point>`` at each of ``PROFILE_POINTS``; the first token is
+    ``first_token_metrics``'): the shape of a reward model's bias (too low early and rising
+    toward the end reads as "better than expected" at every token). ``response_lengths``: [S]
+    of the whole step; the buffers as ``first_token_metrics``'; any layout gives the same
+    means."""
+    ids = held.ids.tolist()
+    lengths = response_lengths[held.ids].tolist()
+    parts = []
+    for fraction in PROFILE_POINTS.values():
+        at = [held.start[i] + round(fraction * (n - 1)) for i, n in zip(ids, lengths, strict=True)]
+        parts += _sums_at(sums, torch.tensor(at, dtype=torch.long, device=HOST), values, returns)
+    totals = sums.total(parts).view(-1, 3).tolist()  # one all-reduce for every point
+    out = {}
+    for name, (n, v, r) in zip(PROFILE_POINTS, totals, strict=True):
+        out[f"critic/value_{name}"] = v / max(n, 1.0)
+        out[f"critic/return_{name}"] = r / max(n, 1.0)
+    return out
+
+
+def failing_advantage_metrics(
+    sums: TokenSums,
+    held: HeldTokens,
+    response_lengths: torch.Tensor,
+    advantages: torch.Tensor,
+    rewards: torch.Tensor,
+) -> dict[str, float]:
+    """``advantages/positive_share_failing``: the share of the failing responses' tokens
+    (reward <= 0) whose advantage is positive, before whitening: the paper's symptom of a
+    value model biased low early (every rise of the value reads as "better than expected",
+    so wrong answers are reinforced); ``advantages/positive_share_passing`` the same for the
+    others. ``rewards``: [S] of the whole step; ``advantages``: [held.num_tokens]."""
+    failing = torch.repeat_interleave(
+        rewards[held.ids] <= 0, response_lengths[held.ids], output_size=held.num_tokens
+    )
+    positive = advantages > 0
+    fail, pos = sums.pick(failing), sums.pick(positive)
+    n_fail, n_fail_pos, n_pass, n_pass_pos = sums.total(
         [
-            torch.tensor(first.numel(), dtype=torch.float64, device=HOST),
-            values[first].sum(dtype=torch.float64),
-            returns[first].sum(dtype=torch.float64),
+            fail.sum(dtype=torch.float64),
+            (fail & pos).sum(dtype=torch.float64),
+            (~fail).sum(dtype=torch.float64),
+            (~fail & pos).sum(dtype=torch.float64),
         ]
     )
-    count = max(n.item(), 1.0)
     return {
-        "critic/value_first_token": v.item() / count,
-        "critic/return_first_token": r.item() / count,
+        "advantages/positive_share_failing": n_fail_pos.item() / max(n_fail.item(), 1.0),
+        "advantages/positive_share_passing": n_pass_pos.item() / max(n_pass.item(), 1.0),
     }
 
 
-def logprob_gap_sum(
-    rollout: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    held: HeldTokens,
-    offsets: torch.Tensor,
-    sums: TokenSums,
-) -> torch.Tensor:
-    """float64 sum of |exp(rollout - old) - 1| over this rank's counted tokens, in blocks of
-    about ``STAT_BLOCK`` tokens. ``rollout`` [N]: the step's flat buffer (offsets [S + 1]);
-    ``old_logprobs``: this rank's buffer of the ``held`` samples' tokens."""
-    total = torch.zeros((), dtype=torch.float64, device=HOST)
-    ids = held.ids.tolist()
-    flat = offsets.tolist()
-    block, first, used = [], 0, 0
-    for k, i in enumerate(ids):  # blocks of whole samples: their slices laid end to end
-        block.append(rollout[flat[i] : flat[i + 1]])
-        used += flat[i + 1] - flat[i]
-        if used < STAT_BLOCK and k + 1 < len(ids):
-            continue
-        span = slice(held.start[ids[first]], held.start[ids[first]] + used)
-        gap = torch.cat(block).sub_(old_logprobs[span]).exp_().sub_(1).abs_()
-        if sums.counting is not None:
-            gap = gap[sums.counting[span]]
-        total += gap.sum(dtype=torch.float64)
-        block, first, used = [], k + 1, 0
-    return total
+def _means_at(
+    sums: TokenSums, index: torch.Tensor, values: torch.Tensor, returns: torch.Tensor
+) -> tuple[float, float]:
+    """Means of ``values`` and ``returns`` at buffer positions ``index`` (one a sample),
+    each counted where ``sums`` counts it."""
+    n, v, r = sums.total(_sums_at(sums, index, values, returns)).tolist()
+    return v / max(n, 1.0), r / max(n, 1.0)
+
+
+def _sums_at(
+    sums: TokenSums, index: torch.Tensor, values: torch.Tensor, returns: torch.Tensor
+) -> list[torch.Tensor]:
+    """This rank's count and float64 sums of ``values`` and ``returns`` at ``index``, where
+    ``sums`` counts."""
+    if sums.counting is not None:
+        index = index[sums.counting[index]]
+    return [
+        torch.tensor(index.numel(), dtype=torch.float64, device=HOST),
+        values[index].sum(dtype=torch.float64),
+        returns[index].sum(dtype=torch.float64),
+    ]

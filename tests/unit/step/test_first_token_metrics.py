@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vapo_megatron.step.token_sums import HeldTokens, TokenSums, first_token_metrics
+from vapo_megatron.step.token_sums import (
+    PROFILE_POINTS,
+    HeldTokens,
+    TokenSums,
+    failing_advantage_metrics,
+    first_token_metrics,
+    profile_metrics,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -90,3 +97,47 @@ def test_first_token_means_are_the_same_for_any_layout():
     tp = two_ranks([([0, 1, 2, 3], None, None), ([0, 1, 2, 3], none, None)])
     for got in [*dp, *cp, *tp]:
         assert got == pytest.approx(expected)
+
+
+def test_profile_reads_the_quarter_and_last_tokens():
+    ids = [0, 1, 2, 3]
+    r, v, _, _ = buffers(ids)
+    offsets = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
+    got = profile_metrics(TokenSums(None, None), held_of(ids), torch.tensor(LENGTHS), r, v)
+    for name, fraction in PROFILE_POINTS.items():
+        at = [offsets[i] + round(fraction * (n - 1)) for i, n in enumerate(LENGTHS)]
+        assert got[f"critic/value_{name}"] == pytest.approx(v[at].double().mean().item())
+        assert got[f"critic/return_{name}"] == pytest.approx(r[at].double().mean().item())
+    # Lengths 3, 1, 4, 2: the last token is position 2, 0, 3, 1 of each response.
+    assert got["critic/value_last"] == pytest.approx(v[[2, 3, 7, 9]].double().mean().item())
+
+
+def test_profile_is_the_same_on_two_data_parallel_ranks():
+    lengths = torch.tensor(LENGTHS)
+    r, v, _, _ = buffers([0, 1, 2, 3])
+    expected = profile_metrics(TokenSums(None, None), held_of([0, 1, 2, 3]), lengths, r, v)
+    local = []
+    for ids in ([0, 2], [1, 3]):
+        sums = TwoRankSums(None)
+        profile_metrics(sums, held_of(ids), lengths, *buffers(ids)[:2])
+        local.append(sums.local)
+    for ids, other in zip(([0, 2], [1, 3]), reversed(local), strict=True):
+        got = profile_metrics(TwoRankSums(None, other), held_of(ids), lengths, *buffers(ids)[:2])
+        assert got == pytest.approx(expected)
+
+
+def test_positive_share_of_failing_tokens():
+    ids = [0, 1, 2, 3]
+    rewards = torch.tensor([-1.0, 1.0, -1.0, 0.0])  # samples 0, 2, 3 fail (reward <= 0)
+    advantages = torch.tensor([0.5, -0.1, 0.0, 2.0, 0.3, 0.3, -1.0, -2.0, 0.1, -0.1])
+    got = failing_advantage_metrics(
+        TokenSums(None, None), held_of(ids), torch.tensor(LENGTHS), advantages, rewards
+    )
+    # Failing tokens: 0-2 (0.5, -0.1, 0.0), 4-7 (0.3, 0.3, -1, -2), 8-9 (0.1, -0.1): 4 of 9 > 0.
+    assert got["advantages/positive_share_failing"] == pytest.approx(4 / 9)
+    assert got["advantages/positive_share_passing"] == pytest.approx(1.0)
+    # A rank that counts none of its tokens adds nothing (tensor-parallel peers).
+    none = torch.zeros(sum(LENGTHS), dtype=torch.bool)
+    sums = TwoRankSums(none)
+    failing_advantage_metrics(sums, held_of(ids), torch.tensor(LENGTHS), advantages, rewards)
+    assert sums.local.tolist() == [0.0, 0.0, 0.0, 0.0]
