@@ -210,3 +210,31 @@ def _sums_at(
         values[index].sum(dtype=torch.float64),
         returns[index].sum(dtype=torch.float64),
     ]
+
+
+def logprob_gap_sum(
+    rollout: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    held: HeldTokens,
+    offsets: torch.Tensor,
+    sums: TokenSums,
+) -> torch.Tensor:
+    """float64 sum of |exp(rollout - old) - 1| over this rank's counted tokens, in blocks of
+    about ``STAT_BLOCK`` tokens. ``rollout`` [N]: the step's flat buffer (offsets [S + 1]);
+    ``old_logprobs``: this rank's buffer of the ``held`` samples' tokens."""
+    total = torch.zeros((), dtype=torch.float64, device=HOST)
+    ids = held.ids.tolist()
+    flat = offsets.tolist()
+    block, first, used = [], 0, 0
+    for k, i in enumerate(ids):  # blocks of whole samples: their slices laid end to end
+        block.append(rollout[flat[i] : flat[i + 1]])
+        used += flat[i + 1] - flat[i]
+        if used < STAT_BLOCK and k + 1 < len(ids):
+            continue
+        span = slice(held.start[ids[first]], held.start[ids[first]] + used)
+        gap = torch.cat(block).sub_(old_logprobs[span]).exp_().sub_(1).abs_()
+        if sums.counting is not None:
+            gap = gap[sums.counting[span]]
+        total += gap.sum(dtype=torch.float64)
+        block, first, used = [], k + 1, 0
+    return total
