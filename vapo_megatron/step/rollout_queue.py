@@ -25,7 +25,7 @@ import torch
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.step.engine_routes import RouteStore
 from vapo_megatron.step.rollout import RolloutStats
-from vapo_megatron.step.trajectories import Trajectories
+from vapo_megatron.step.trajectories import Trajectories, flat_fields, from_flat_fields
 
 
 @dataclass
@@ -85,7 +85,7 @@ class RolloutQueue:
         return [
             {
                 "step": b.step, "version": b.version, "stats": dataclasses.asdict(b.stats),
-                **_trajectory_tensors(b.trajectories),
+                **flat_fields(b.trajectories), "route_at": b.trajectories.route_at,
             }
             for b in self.batches
         ]  # fmt: skip
@@ -104,14 +104,6 @@ class RolloutQueue:
             self.batches.append(QueuedBatch(entry["step"], entry["version"], trajectories, stats))
 
 
-def _trajectory_tensors(t: Trajectories) -> dict[str, torch.Tensor | None]:
-    return {
-        "meta": t.meta_rows(), "prompt_ids": t.prompts.values, "response_ids": t.responses.values,
-        "rollout_logprobs": t.rollout_logprobs, "reward": t.reward, "sample_version": t.version,
-        "route_at": t.route_at,
-    }  # fmt: skip
-
-
 def _trajectories(entry: dict, routes: dict | None) -> Trajectories:
     store = None
     if entry["route_at"] is not None:
@@ -123,12 +115,7 @@ def _trajectories(entry: dict, routes: dict | None) -> Trajectories:
         store = RouteStore(tuple(routes["shape"]))
         for part in routes["parts"]:
             store.add(part)
-    out = Trajectories.from_rows(
-        entry["meta"], entry["prompt_ids"], entry["response_ids"], entry["rollout_logprobs"],
-        entry["route_at"], store,
-    )  # fmt: skip
-    out.reward, out.version = entry["reward"], entry["sample_version"]
-    return out
+    return from_flat_fields(entry, entry["route_at"], store)
 
 
 def _route_state(store: RouteStore | None) -> dict | None:

@@ -135,6 +135,48 @@ class Trajectories:
         return torch.stack([cols[name].to(torch.float64) for name in META_FIELDS], dim=1)
 
 
+FLAT_FIELDS = ("meta", "reward", "sample_version", "prompt_ids", "response_ids", "rollout_logprobs")
+"""A batch as flat host tensors, routes aside (``flat_fields``): the metadata rows, float64
+rewards, int64 sample versions, int32 prompt and response token ids, float32 log-probs."""
+
+
+def flat_fields(t: Trajectories) -> dict[str, torch.Tensor | None]:
+    """``t`` as the flat tensors of :data:`FLAT_FIELDS` (in that order), which
+    ``from_flat_fields`` rebuilds it from: the form a batch is checkpointed in and sent in."""
+    return {
+        "meta": t.meta_rows(), "reward": t.reward.to(torch.float64),
+        "sample_version": t.version, "prompt_ids": t.prompts.values,
+        "response_ids": t.responses.values, "rollout_logprobs": t.rollout_logprobs,
+    }  # fmt: skip
+
+
+def empty_flat_fields(samples: int, prompt_tokens: int, response_tokens: int) -> dict:
+    """Uninitialised host buffers of :data:`FLAT_FIELDS` for a batch of those sizes (to
+    receive one into)."""
+    shapes = {
+        "meta": ((samples, len(META_FIELDS)), torch.float64), "reward": ((samples,), torch.float64),
+        "sample_version": ((samples,), torch.long), "prompt_ids": ((prompt_tokens,), torch.int32),
+        "response_ids": ((response_tokens,), torch.int32),
+        "rollout_logprobs": ((response_tokens,), torch.float32),
+    }  # fmt: skip
+    return {
+        name: torch.empty(shapes[name][0], dtype=shapes[name][1], device=HOST)
+        for name in FLAT_FIELDS
+    }
+
+
+def from_flat_fields(
+    fields: dict, route_at: torch.Tensor | None = None, route_store: RouteStore | None = None
+) -> Trajectories:
+    """The batch ``flat_fields`` wrote (its routes at ``route_at`` in ``route_store``)."""
+    out = Trajectories.from_rows(
+        fields["meta"], fields["prompt_ids"], fields["response_ids"], fields["rollout_logprobs"],
+        route_at, route_store,
+    )  # fmt: skip
+    out.reward, out.version = fields["reward"], fields["sample_version"]
+    return out
+
+
 def route_offsets(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
     """[S + 1] int64 offsets of each sample's routes: prompt + response - 1 rows (every token
     the engine forwarded; a sample with no response has its prompt's but the last)."""

@@ -29,7 +29,12 @@ from vapo_megatron.step.batching import gather_index
 from vapo_megatron.step.engine_routes import EVERY_RANK, RouteStore
 from vapo_megatron.step.rollout import RolloutStats
 from vapo_megatron.step.rollout_queue import QueuedBatch
-from vapo_megatron.step.trajectories import META_FIELDS, Trajectories
+from vapo_megatron.step.trajectories import (
+    Trajectories,
+    empty_flat_fields,
+    flat_fields,
+    from_flat_fields,
+)
 
 HEADER = 10
 """[S, P, N, route rows, route layers, route top_k (0: no routes), JSON bytes, step, version,
@@ -49,7 +54,9 @@ def send_batch(batch: QueuedBatch, info: dict, group: dist.ProcessGroup) -> None
         batch.version, 0,
     ]  # fmt: skip
     _bcast(torch.tensor(header, dtype=torch.long, device=HOST), group)
-    for tensor in _tensors(t):
+    if t.version is None:
+        raise ValueError("a batch sent to the trainers must carry its samples' policy versions")
+    for tensor in flat_fields(t).values():  # FLAT_FIELDS' order
         _bcast(tensor.contiguous(), group)
     if routes is not None:  # gloo has no int16: their bytes
         _bcast(routes.contiguous().view(-1).view(torch.uint8), group)
@@ -62,15 +69,10 @@ def recv_batch(group: dist.ProcessGroup) -> tuple[QueuedBatch, dict]:
     header = torch.empty(HEADER, dtype=torch.long, device=HOST)
     _bcast(header, group)
     s, p, n, rows, layers, top_k, text_bytes, step, version, _ = header.tolist()
-    meta = torch.empty(s, len(META_FIELDS), dtype=torch.float64, device=HOST)
-    reward = torch.empty(s, dtype=torch.float64, device=HOST)
-    sample_version = torch.empty(s, dtype=torch.long, device=HOST)
-    prompt_ids = torch.empty(p, dtype=torch.int32, device=HOST)
-    response_ids = torch.empty(n, dtype=torch.int32, device=HOST)
-    logprobs = torch.empty(n, dtype=torch.float32, device=HOST)
-    for tensor in (meta, reward, sample_version, prompt_ids, response_ids, logprobs):
+    fields = empty_flat_fields(s, p, n)
+    for tensor in fields.values():
         _bcast(tensor, group)
-    route_at = store = None
+    store = None
     if top_k:
         routes = torch.empty(rows, layers, top_k, dtype=torch.int16, device=HOST)
         _bcast(routes.view(-1).view(torch.uint8), group)
@@ -78,12 +80,11 @@ def recv_batch(group: dist.ProcessGroup) -> tuple[QueuedBatch, dict]:
         store.add(routes)
     text = torch.empty(text_bytes, dtype=torch.uint8, device=HOST)
     _bcast(text, group)
-    trajectories = Trajectories.from_rows(meta, prompt_ids, response_ids, logprobs)
+    trajectories = from_flat_fields(fields)
     if store is not None:
         first = trajectories.route_offsets()[:-1]
         route_at = torch.stack([torch.full_like(first, EVERY_RANK), first], dim=1)
         trajectories.route_at, trajectories.route_store = route_at, store
-    trajectories.reward, trajectories.version = reward, sample_version
     info = json.loads(text.numpy().tobytes().decode())
     stats = RolloutStats(**info.pop("stats"))
     return QueuedBatch(step, version, trajectories, stats), info
@@ -123,16 +124,6 @@ def gather_routes(trajectories: Trajectories, host_group: dist.ProcessGroup) -> 
     fresh.add(whole)
     trajectories.route_store = fresh
     trajectories.route_at = torch.stack([torch.full_like(offsets[:-1], me), offsets[:-1]], dim=1)
-
-
-def _tensors(t: Trajectories) -> list[torch.Tensor]:
-    version = t.version
-    if version is None:
-        raise ValueError("a batch sent to the trainers must carry its samples' policy versions")
-    return [
-        t.meta_rows(), t.reward.to(torch.float64), version, t.prompts.values,
-        t.responses.values, t.rollout_logprobs,
-    ]  # fmt: skip
 
 
 def _bcast(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
