@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from vapo_megatron.algorithms.config import AlgoConfig
 from vapo_megatron.config.layout import layout_sizes
+from vapo_megatron.config.mtp import check_mtp_fits
 
 if TYPE_CHECKING:  # train.py imports this module to run the checks
     from vapo_megatron.config.layout import ModelShape
@@ -67,6 +68,11 @@ def check_layouts_on_models(
             except ValueError as err:
                 named = str(err).startswith(f"{role}.layout")
                 raise ValueError(str(err) if named else f"{role}.layout ({path}): {err}") from None
+            if role == "policy":
+                check_mtp_fits(
+                    config.policy.mtp, mtp_num_layers=hf.mtp_num_layers, vpp=layout.vpp,
+                    cp=layout.cp, model=path,
+                )  # fmt: skip
         try:
             layout_sizes(
                 tp=layout.tp, pp=layout.pp, cp=layout.cp, world_size=world_size,

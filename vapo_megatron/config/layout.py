@@ -16,6 +16,7 @@ class ModelShape(Protocol):
     num_layers: int
     num_experts: int
     moe_intermediate_size: int
+    mtp_num_layers: int
 
     @property
     def is_moe(self) -> bool: ...

@@ -16,6 +16,7 @@ from vapo_megatron.config import checks
 from vapo_megatron.config.gpu import GpuSettings
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.moe import MoESettings
+from vapo_megatron.config.mtp import MTPSettings
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.config.recompute import RecomputeSettings
 
@@ -60,6 +61,8 @@ class PolicySettings:
     """Activation recompute of the policy (off by default)."""
     moe: MoESettings = field(default_factory=MoESettings)
     """MoE policies: router losses (off), router dtype (fp32), token dispatcher (alltoall); config/moe.py says why."""
+    mtp: MTPSettings = field(default_factory=MTPSettings)
+    """Multi-token-prediction layers (DeepSeek-V3, GLM-4.5): frozen as files (loss_weight 0) or trained with their own loss; config/mtp.py says how."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,6 +50,7 @@ from vapo_megatron.models.megatron_patches import (
     apply_megatron_patches,
     finalize_model_grads_on_model_groups,
 )
+from vapo_megatron.models.mtp import MTPGPTModel
 from vapo_megatron.models.provider import (
     build_model,
     check_local_attention_fits,
@@ -107,10 +108,14 @@ class ModelEngine:
         recompute: RecomputeSettings | None = None,
         initialize: bool = True,
         moe: MoESettings | None = None,
+        mtp_loss_weight: float = 0.0,
     ):
         layout.check(hf)
         apply_megatron_patches()  # GQA with fewer KV heads than TP ranks: the model's TP group
         self.hf, self.layout, self.head = hf, layout, head
+        self.mtp_loss_weight = mtp_loss_weight
+        """> 0: the policy's MTP layers are built in the model and trained with this weight
+        (``models/mtp.py``, ``step/losses.py``); 0: none built (carried as files)."""
         self.groups = _checked_groups(layout, groups)
         seed_rng_tracker(self.groups)
         # Fusions and overlaps: all off on CPU. The overlaps' hooks are this engine's: it sets
@@ -128,12 +133,12 @@ class ModelEngine:
         # The record names the parameters of the spec the model is built with (TE fuses norms).
         self.record = ModelRecord(
             hf, head, layer_spec=layer_spec_kind(layer_spec),
-            grouped_experts=uses_grouped_experts(layer_spec),
+            grouped_experts=uses_grouped_experts(layer_spec), mtp=mtp_loss_weight > 0,
         )  # fmt: skip
         self.config = transformer_config(
             hf, layout, params_dtype=params_dtype, gpu=self.gpu,
             recompute=recompute.transformer_config_kwargs() if recompute is not None else None,
-            initialize=initialize, moe=moe,
+            initialize=initialize, moe=moe, mtp=mtp_loss_weight > 0,
         )  # fmt: skip
         # The expert bias's update (sigmoid routers) on this model's groups, not megatron's.
         self.config.finalize_model_grads_func = finalize_model_grads_on_model_groups
@@ -225,15 +230,18 @@ class ModelEngine:
                 chunk.start_param_sync(force_sync=True)
 
     def hf_buckets(
-        self, bucket_bytes: int, *, buffers: GatherBuffers | None = None
+        self, bucket_bytes: int, *, buffers: GatherBuffers | None = None, mtp: bool = False
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The whole model's full HF-named tensors on every rank of the replica, in buckets of
         at most ``bucket_bytes`` (``weights/stream.py::stream_policy_weights``): what the weight
         sync loads into the engine and the HF export writes. ``buffers``: a gather pool to keep
-        across calls (None: this call's own). Collective over the TP, PP and expert groups."""
+        across calls (None: this call's own). ``mtp``: with the MTP layers built in the model,
+        their tensors too (the export; the rollout engine loads none). Collective over the TP,
+        PP and expert groups."""
         self.gather_params()  # the last update's shards, with overlap_param_gather
+        record = dataclasses.replace(self.record, stream_mtp=mtp)
         return stream_policy_weights(
-            self.chunks, self.record, self.config,
+            self.chunks, record, self.config,
             tp_group=self.groups.parallel.tp, pp_group=self.groups.parallel.pp,
             ep_group=self.groups.pg_collection.ep,
             expt_tp_group=self.groups.pg_collection.expt_tp,
@@ -251,8 +259,9 @@ class ModelEngine:
         """Write the model as an HF directory (``weights/export.py::export_hf``, rank 0 writes)
         from its stream in ``export.BUCKET_BYTES`` buckets. Collective over every rank."""
         return export_hf(
-            self.hf_buckets(BUCKET_BYTES), out_dir, hf_config=hf_config, head=self.head,
-            dtype=self.config.params_dtype, assets_from=assets_from, host_group=host_group,
+            self.hf_buckets(BUCKET_BYTES, mtp=True), out_dir, hf_config=hf_config,
+            head=self.head, dtype=self.config.params_dtype, assets_from=assets_from,
+            host_group=host_group, mtp_in_stream=self.record.mtp,
         )  # fmt: skip
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -305,8 +314,8 @@ class ModelEngine:
         loss_fn: LossFn,
         *,
         forward_only: bool = False,
-        record_routes: bool = False,
-    ) -> list[dict[str, torch.Tensor]]:
+        record_routes: bool = False, mtp_heads: bool | None = None,
+    ) -> list[dict[str, torch.Tensor]]:  # fmt: skip
         """Forward (and backward) over the micro-batches through Megatron's schedule.
 
         Returns each micro-batch's metrics on the last pipeline stage ([] elsewhere). With
@@ -315,6 +324,7 @@ class ModelEngine:
         ``recorded_routes`` keeps each micro-batch's top-k of this rank's routers
         ([router tokens, len(router_replay.layers), top_k] int32 on the device; the router's
         tokens are this CP rank's row, this TP rank's slice under sequence parallelism).
+        ``mtp_heads``: loss_fn gets ``models.mtp.MTPOutput`` (None: training with MTP built).
         """
         lengths, sizes = self._check_micro_batches(micro_batches)
         scale = len(micro_batches) * self.dp_size
@@ -340,11 +350,10 @@ class ModelEngine:
                     chunk=chunk, sequence_parallel=sp,
                 )  # fmt: skip
             output = model(
-                micro_batch.tokens,
-                micro_batch.position_ids,
-                None,
+                micro_batch.tokens, micro_batch.position_ids, None,
                 packed_seq_params=micro_batch.packed_seq_params,
-            )
+                **self._mtp_kwargs(mtp_heads, forward_only),
+            )  # fmt: skip
             if record_routes:
                 self._keep_routes(recorded, index, chunk, micro_batch.tokens.numel())
             return output, partial(loss_func, micro_batch)
@@ -379,6 +388,14 @@ class ModelEngine:
             if record_routes:
                 self.recorded_routes = [recorded[i] for i in range(len(micro_batches))]
             return outputs
+
+    def _mtp_kwargs(self, mtp_heads: bool | None, forward_only: bool) -> dict[str, bool]:
+        """The model's forward keywords for ``run(mtp_heads=)``."""
+        if mtp_heads is None:
+            mtp_heads = self.record.mtp and not forward_only
+        if mtp_heads and not self.record.mtp:
+            raise ValueError("mtp_heads needs the MTP layers built (mtp_loss_weight > 0)")
+        return {"mtp_heads": True} if mtp_heads else {}
 
     def _keep_routes(
         self, recorded: dict[int, torch.Tensor], index: int, chunk: int, row_tokens: int
@@ -460,7 +477,8 @@ def _check_positions_unused(model: torch.nn.Module) -> None:
     model that would read them (megatron's GPTModel reads them for learned absolute
     position embeddings, multimodal RoPE and multi-token prediction)."""
     kind = getattr(model, "position_embedding_type", "rope")
-    mtp = getattr(model, "mtp_process", False)
+    # MTPGPTModel hands its MTP block the positions it rolls (RoPE reads none).
+    mtp = getattr(model, "mtp_process", False) and not isinstance(model, MTPGPTModel)
     if kind != "rope" or mtp:
         raise ValueError(
             f"the model has position_embedding_type={kind!r}, multi-token prediction {mtp}: "

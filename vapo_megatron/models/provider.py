@@ -43,6 +43,7 @@ from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.moe import MoESettings
 from vapo_megatron.models.config import Head, HFModelConfig, LayerSpecKind
 from vapo_megatron.models.megatron_patches import apply_megatron_patches
+from vapo_megatron.models.mtp import MTPGPTModel, mtp_block_spec
 from vapo_megatron.models.norm import RMSNorm
 from vapo_megatron.models.value_head import ValueHead
 from vapo_megatron.parallel.devices import init_device
@@ -77,6 +78,7 @@ def transformer_config(
     recompute: dict[str, object] | None = None,
     initialize: bool = True,
     moe: MoESettings | None = None,
+    mtp: bool = False,
 ) -> TransformerConfig:
     """The TransformerConfig of ``hf`` under ``layout`` (fp32 or bf16 parameters).
 
@@ -89,6 +91,8 @@ def transformer_config(
     (``RecomputeSettings.transformer_config_kwargs()``); None: no activation recompute.
     ``initialize``: False when every parameter is loaded right after the build (a checkpoint
     or HF weights): megatron's random initialisation is skipped (:func:`leave_uninitialised`).
+    ``mtp``: the model holds ``hf.mtp_num_layers`` multi-token-prediction layers on its last
+    stage (``models/mtp.py``; a policy with ``policy.mtp.loss_weight`` > 0).
     """
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype must be float32 or bfloat16, got {params_dtype}")
@@ -124,7 +128,21 @@ def transformer_config(
         **fusions,
         **(recompute or {}),
         **skip,
+        **_mtp_kwargs(hf, mtp),
     )
+
+
+def _mtp_kwargs(hf: HFModelConfig, mtp: bool) -> dict[str, object]:
+    """The MTP fields of the TransformerConfig; ValueError for a model without MTP layers."""
+    if not mtp:
+        return {}
+    if not hf.mtp_num_layers:
+        raise ValueError(
+            f"the {hf.family} model has no multi-token-prediction layers "
+            "(num_nextn_predict_layers=0): build it with mtp=False (policy.mtp.loss_weight=0)"
+        )
+    # The loss factor is megatron's own MTP loss, which MTPGPTModel never runs.
+    return {"mtp_num_layers": hf.mtp_num_layers, "mtp_loss_scaling_factor": 0.0}
 
 
 def default_layer_spec(
@@ -404,6 +422,35 @@ def _block_spec(
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
 
 
+def _check_mtp(config: TransformerConfig, head: Head) -> bool:
+    """Whether the config asks for MTP layers; ValueError where megatron or this project
+    cannot build or train them (critic, virtual pipeline, context parallelism)."""
+    if not config.mtp_num_layers:
+        return False
+    if head != "lm":
+        raise ValueError("a critic (value head) builds no MTP layers: make its config mtp=False")
+    if config.virtual_pipeline_model_parallel_size is not None:
+        raise ValueError(
+            f"MTP layers with vpp={config.virtual_pipeline_model_parallel_size}: megatron-core "
+            "0.16.1 places them on the last virtual stage through parallel_state only; set "
+            "policy.layout.vpp=null or policy.mtp.loss_weight=0"
+        )
+    if config.context_parallel_size > 1:
+        raise ValueError(
+            f"MTP layers with cp={config.context_parallel_size}: the MTP loss's targets are not "
+            "shifted across CP chunks here; set policy.layout.cp=1 or policy.mtp.loss_weight=0"
+        )
+    return True
+
+
+def _mtp_block(config: TransformerConfig, block, layer_spec: ModuleSpec) -> dict[str, object]:
+    """GPTModel's ``mtp_block_spec`` argument on the last stage (megatron places every MTP
+    layer there): each depth around the decoder's last layer spec (an MoE layer)."""
+    last = block.layer_specs[-1] if hasattr(block, "layer_specs") else block
+    kind = layer_spec_kind(layer_spec)
+    return {"mtp_block_spec": mtp_block_spec(last, kind, config.mtp_num_layers)}
+
+
 def build_model(
     hf: HFModelConfig,
     config: TransformerConfig,
@@ -413,6 +460,10 @@ def build_model(
     layer_spec: ModuleSpec | None = None,
 ) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage) of the policy or critic.
+
+    A config with ``mtp_num_layers`` (``transformer_config(mtp=True)``, policy only) builds
+    the last stage as :class:`models.mtp.MTPGPTModel` with the MTP block
+    (``models/mtp.py``).
 
     ``pg_collection``: this model's groups (``ModelGroups.pg_collection``), with sizes equal to
     the config's; None reads ``parallel_state``'s (which must then hold the config's layout).
@@ -446,20 +497,25 @@ def build_model(
     tp = config.tensor_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size
     pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
+    mtp = _check_mtp(config, head)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = None if vpp is None else vp_stage
         pre = pp_rank == 0 and vp_stage == 0
         post = pp_rank == pp_size - 1 and vp_stage == (vpp or 1) - 1
-        model = GPTModel(
+        block = _block_spec(config, layer_spec, stage, pp_rank)
+        extra = _mtp_block(config, block, layer_spec) if mtp and post else {}
+        # Every stage an MTPGPTModel, so each takes the forward's mtp_heads.
+        model = (MTPGPTModel if mtp else GPTModel)(
             config=config,
-            transformer_layer_spec=_block_spec(config, layer_spec, stage, pp_rank),
+            transformer_layer_spec=block,
             pre_process=pre,
             post_process=post,
             parallel_output=True,
             vp_stage=stage,
             pg_collection=pg_collection,
             **hf.gpt_model_kwargs(tp, head),
+            **extra,
         )
         if head == "value" and post:
             # Built as an LM first (megatron-core has no other output layer); the vocab-sized

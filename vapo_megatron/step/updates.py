@@ -214,7 +214,10 @@ def update_minibatch(
         vocab = policy.vocab_slice
         policy_out = _update(
             data, policy, policy_ids, data.policy_fields,
-            lambda norm: policy_loss_fn(algo, norm, vocab, temperature=temperature),
+            lambda norm: policy_loss_fn(
+                algo, norm, vocab, temperature=temperature,
+                mtp_loss_weight=policy.mtp_loss_weight,
+            ),  # fmt: skip
             data.policy_field_names, packed=packed, token_budget=token_budget,
             routes=data.routes,
         )  # fmt: skip

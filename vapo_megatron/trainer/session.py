@@ -160,6 +160,7 @@ def build_engine(
         groups=groups, params_dtype=getattr(torch, config.model.dtype),
         gpu=config.gpu if gpu is None else gpu, recompute=settings.recompute, initialize=False,
         moe=settings.moe,
+        mtp_loss_weight=config.policy.mtp.loss_weight if role == "policy" else 0.0,
     )  # fmt: skip
 
 

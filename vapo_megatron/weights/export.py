@@ -20,6 +20,11 @@ from vapo_megatron.weights import hf_io
 from vapo_megatron.weights.buckets import NamedTensor
 from vapo_megatron.weights.mtp import mtp_tensors
 
+MTP_COPIES = {
+    "lm_head.weight": "shared_head.head.weight",
+    "model.embed_tokens.weight": "embed_tokens.weight",
+}
+"""HF name -> the name of its copy in each MTP layer (``model.layers.{num_layers + k}.``)."""
 BUCKET_BYTES = 256 << 20
 """Bucket size of the export's stream (``ModelEngine.hf_buckets(BUCKET_BYTES)``)."""
 
@@ -33,13 +38,16 @@ def export_hf(
     dtype: torch.dtype,
     assets_from: str,
     host_group: dist.ProcessGroup | None,
+    mtp_in_stream: bool = False,
 ) -> Path:
     """Collective: every rank consumes its ``buckets`` (the model's stream, e.g.
     ``ModelEngine.hf_buckets(BUCKET_BYTES)``); rank 0 writes ``out_dir`` (replaced atomically)
     while the others wait on ``host_group`` (gloo: the wait costs no GPU and follows its
     timeout). ``head``, ``dtype``: the model's, for the written config. A policy with MTP
     layers (DeepSeek-V3) gets them from ``assets_from``'s HF checkpoint, unchanged
-    (``weights/mtp.py``)."""
+    (``weights/mtp.py``), or, ``mtp_in_stream`` (trained in the model: ``models/mtp.py``), from
+    the stream, with each MTP layer's copies of the trained lm head and embedding
+    (``shared_head.head``, ``embed_tokens``) as DeepSeek-V3's checkpoints hold them."""
     rank = dist.get_rank()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     writer = None
@@ -47,13 +55,21 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         writer = hf_io.SafetensorsWriter(tmp)
+    shared: dict[str, torch.Tensor] = {}  # what the MTP layers' copies copy
     for bucket in buckets:
         if writer is not None:
             for name, tensor in bucket:
-                writer.add(name, tensor.to(HOST, copy=True))  # safetensors writes host memory
+                host = tensor.to(HOST, copy=True)  # safetensors writes host memory
+                writer.add(name, host)
+                if name in MTP_COPIES:
+                    shared[name] = host
     if rank == 0:
         hf = HFModelConfig.from_hf(hf_config) if head == "lm" else None
-        if hf is not None and hf.mtp_num_layers:  # frozen, from the model the run started from
+        if hf is not None and hf.mtp_num_layers and mtp_in_stream:
+            for layer in range(hf.num_layers, hf.num_layers + hf.mtp_num_layers):
+                for source, copy in MTP_COPIES.items():
+                    writer.add(f"model.layers.{layer}.{copy}", shared[source].clone())
+        elif hf is not None and hf.mtp_num_layers:  # frozen, from the model the run started
             for name, tensor in mtp_tensors(assets_from, hf):
                 writer.add(name, tensor)
         writer.close()

@@ -241,7 +241,7 @@ def tp_gathers(
     for model, chunk in zip(models, chunks, strict=True):
         params = chunk_parameters(model, record, chunk)
         for name, m in record.tensor_maps(chunk).items():
-            if not m.tied_copy:  # the first stage exports the shared embedding
+            if record.exports(m):  # not a tied copy (the first stage exports it), nor MTP
                 yield name, m, params[name].detach(), chunk
 
 

@@ -106,6 +106,28 @@ vocab-parallel output layer for a plain linear of that shape). Exported, it is `
 of ``{Qwen2,Llama}ForSequenceClassification`` with num_labels = 1: the layout of a reward
 model, so a reward model's checkpoint seeds the critic directly.
 
+MTP layers built in the model (``ModelRecord.mtp``; DeepSeek-V3's ``num_nextn_predict_layers``,
+``models/mtp.py``). The last stage holds depth k (HF layer l = num_layers + k); its transformer
+layer maps as decoder layer l does (attention, norms, router, experts):
+
+===========================================  ============================================  ==========
+Megatron name                                HF name                                       TP split
+===========================================  ============================================  ==========
+mtp.layers.{k}.enorm.weight                  model.layers.{l}.enorm.weight                 REPLICATED
+mtp.layers.{k}.hnorm.weight                  model.layers.{l}.hnorm.weight                 REPLICATED
+mtp.layers.{k}.eh_proj.weight                model.layers.{l}.eh_proj.weight [h, 2h]       COLUMN
+mtp.layers.{k}.transformer_layer.{suffix}    model.layers.{l}.{self_attn,mlp,...}          as decoder
+mtp.layers.{k}.final_layernorm.weight        model.layers.{l}.shared_head.norm.weight      REPLICATED
+embedding.word_embeddings.weight (last       model.embed_tokens.weight (loaded; not        VOCAB
+  stage, PP > 1: the MTP layers' copy)         exported: the first stage's is)
+===========================================  ============================================  ==========
+
+An HF checkpoint also holds ``model.layers.{l}.shared_head.head.weight`` and
+``model.layers.{l}.embed_tokens.weight``, copies of ``lm_head`` and ``embed_tokens``: passed over
+on the way in (megatron's MTP reads the shared output layer and embedding), written from the
+trained ones on export (``weights/export.py``). The rollout stream leaves every MTP tensor out
+(``stream_mtp=False``): vLLM's deepseek_v2 loads none.
+
 TP. Megatron-core requires TP to divide num_attention_heads and ffn, and num_key_value_heads
 to be a multiple or a divisor of TP. When TP > num_key_value_heads, the fused QKV tensor is
 still split into equal row chunks, so one query group's [q; k; v] block spans TP /
@@ -164,6 +186,8 @@ class TensorMap:
     expert: int | None = None
     """Global index of the routed expert this tensor belongs to (held by one EP rank, split
     over expert TP instead of TP); None for every other tensor."""
+    mtp: bool = False
+    """A tensor of the multi-token-prediction layers built in the model (``ModelRecord.mtp``)."""
 
 
 @dataclass(frozen=True)
@@ -367,6 +391,13 @@ _MLA_FULL_Q = (
 )  # fmt: skip
 _DENSE_MLP_SUFFIXES = frozenset(f"mlp.{name}_proj.weight" for name in ("gate", "up", "down"))
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_MTP_SUFFIXES = frozenset(
+    ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+     "shared_head.head.weight", "embed_tokens.weight")
+)  # fmt: skip
+"""The names only an MTP layer has (HF ``model.layers.{num_layers + k}.``): its norms and
+projection, and its copies of the lm head and the embedding (passed over on the way in,
+written from the trained ones on export: ``weights/export.py``)."""
 _HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
 
 
@@ -390,6 +421,13 @@ class ModelRecord:
     ``mlp.experts.linear_fc1.weight{j}``; else megatron's ``SequentialMLP``
     (``mlp.experts.local_experts.{j}.linear_fc1.weight``, the local spec and TE without grouped
     GEMM). Only meaningful for MoE models."""
+    mtp: bool = False
+    """The model holds its ``mtp_num_layers`` multi-token-prediction layers on its last stage
+    (``models/mtp.py``: a policy with ``policy.mtp.loss_weight`` > 0), named as in the MTP
+    table below; False: HF -> Megatron passes them over (carried as files, ``weights/mtp.py``)."""
+    stream_mtp: bool = True
+    """With ``mtp``: Megatron -> HF gives the MTP layers' tensors (export, conversion); False
+    for the rollout engine's weight sync (vLLM's deepseek_v2 loads no MTP layer)."""
 
     def __post_init__(self) -> None:
         if self.layer_spec not in ("local", "te"):
@@ -402,6 +440,11 @@ class ModelRecord:
             )
 
     # ----- names -----
+
+    def exports(self, m: TensorMap) -> bool:
+        """Whether Megatron -> HF gives ``m``'s HF tensors (not a tied copy, not an MTP tensor
+        left out of the rollout stream)."""
+        return not m.tied_copy and (not m.mtp or self.stream_mtp)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` has an MoE MLP (DeepSeek-V3/GLM-4.5's first
@@ -424,7 +467,10 @@ class ModelRecord:
         layer = _HF_LAYER.fullmatch(hf_name)
         if layer is not None:
             index = int(layer[1])
-            key, out_of_range = f"model.layers.*.{layer[2]}", index >= self.config.num_layers
+            mtp_layer = index >= self.config.num_layers
+            key = f"model.layers.*.{layer[2]}"
+            out_of_range = index >= self.config.num_layers + self.mtp_layers
+            out_of_range |= layer[2] in _MTP_SUFFIXES and not mtp_layer
             expert = _HF_EXPERT.fullmatch(layer[2])
             if expert is not None:
                 key = f"model.layers.*.mlp.experts.*.{expert[2]}"
@@ -452,6 +498,11 @@ class ModelRecord:
             self.tensor_maps(dataclasses.replace(chunk, ep_rank=r))[m.megatron_name]
             for r in range(chunk.ep_size)
         ]
+
+    @property
+    def mtp_layers(self) -> int:
+        """MTP layers the model holds (0 unless ``mtp``)."""
+        return self.config.mtp_num_layers if self.mtp else 0
 
     # ----- HF -> Megatron -----
 
@@ -490,7 +541,7 @@ class ModelRecord:
         shards: dict[str, torch.Tensor] = {}
         seen: set[str] = set()
         for hf_name, tensor in items:
-            if is_mtp_tensor(self.config, hf_name):
+            if not self.mtp and is_mtp_tensor(self.config, hf_name):
                 continue  # carried beside the model, frozen (weights/mtp.py)
             expected = self.hf_shape(hf_name)
             if tuple(tensor.shape) != expected:
@@ -576,7 +627,7 @@ class ModelRecord:
                     f"Megatron tensor {megatron_name!r} on TP rank {rank}: expected shape "
                     f"{expected}, got {tuple(shard.shape)}"
                 )
-        if m.tied_copy:
+        if not self.exports(m):
             return []
         return list(zip(m.hf_names, self._from_shards(m, tp_shards), strict=True))
 
@@ -706,7 +757,43 @@ def _tensor_maps(record: ModelRecord, chunk: ModelChunk) -> dict[str, TensorMap]
                     tied_copy=True,
                 )
             )
+        if record.mtp:
+            maps.extend(_mtp_maps(record, chunk))
     return {m.megatron_name: m for m in maps}
+
+
+def _mtp_maps(record: ModelRecord, chunk: ModelChunk) -> list[TensorMap]:
+    """The MTP layers on the last stage: depth k is HF layer ``num_layers + k``; its
+    transformer layer maps as a decoder layer; on a last stage without the embedding, the
+    embedding's copy the MTP layers read (loaded from the embedding, never exported)."""
+    maps = []
+    if not chunk.has_embedding:
+        maps.append(
+            TensorMap(
+                "embedding.word_embeddings.weight",
+                ("model.embed_tokens.weight",),
+                Split.VOCAB,
+                tied_copy=True,
+            )
+        )
+    for depth in range(record.config.mtp_num_layers):
+        layer = record.config.num_layers + depth
+        hf, mg = f"model.layers.{layer}", f"mtp.layers.{depth}"
+        rows = [
+            ("enorm.weight", ("enorm.weight",), Split.REPLICATED),
+            ("hnorm.weight", ("hnorm.weight",), Split.REPLICATED),
+            ("eh_proj.weight", ("eh_proj.weight",), Split.COLUMN),
+        ]
+        moe = record.is_moe_layer(layer)
+        rows += [(f"transformer_layer.{m}", h, sp) for m, h, sp in _layer_maps(record, moe)]
+        rows.append(("final_layernorm.weight", ("shared_head.norm.weight",), Split.REPLICATED))
+        for megatron_suffix, hf_suffixes, split in rows:
+            hf_names = tuple(f"{hf}.{suffix}" for suffix in hf_suffixes)
+            maps.append(TensorMap(f"{mg}.{megatron_suffix}", hf_names, split, mtp=True))
+        if moe:
+            experts = _expert_maps(record, chunk, layer, layer, prefix=f"{mg}.transformer_layer")
+            maps.extend(dataclasses.replace(m, mtp=True) for m in experts)
+    return maps
 
 
 @functools.cache
@@ -735,14 +822,17 @@ def _layer_maps(record: ModelRecord, moe: bool) -> tuple[tuple[str, tuple[str, .
     return tuple(rows)
 
 
-def _expert_maps(record: ModelRecord, chunk: ModelChunk, local: int, layer: int) -> list[TensorMap]:
+def _expert_maps(
+    record: ModelRecord, chunk: ModelChunk, local: int, layer: int, *, prefix: str = ""
+) -> list[TensorMap]:
     """The routed experts of local layer ``local`` (global ``layer``) on ``chunk``'s EP rank:
     local expert j is global expert ``ep_rank * local_count + j``; per expert, fc1 (gate and
     up fused as in a dense MLP) then fc2. Names as megatron-core 0.16.1's ``SequentialMLP``
     (``local_experts.{j}`` modules) or ``TEGroupedMLP`` (TE ``GroupedLinear``'s ``weight{j}``)
-    register them (``transformer/moe/experts.py``)."""
+    register them (``transformer/moe/experts.py``). ``prefix``: the Megatron layer's (default
+    decoder layer ``local``'s)."""
     maps = []
-    prefix = f"decoder.layers.{local}.mlp.experts"
+    prefix = f"{prefix or f'decoder.layers.{local}'}.mlp.experts"
     for j in range(record.config.num_experts // chunk.ep_size):
         expert = chunk.global_expert(j, record.config.num_experts)
         hf = f"model.layers.{layer}.mlp.experts.{expert}"
@@ -791,6 +881,12 @@ def _hf_shapes(record: ModelRecord) -> dict[str, tuple[int, ...]]:
         for name in ("q", "k", "v", "o"):
             del layer[f"self_attn.{name}_proj.weight"]
         layer.update(_mla_shapes(cfg))
+    if record.mtp:  # the MTP layers' own tensors (_MTP_SUFFIXES); hf_shape checks the layer
+        layer.update(
+            dict.fromkeys(("enorm.weight", "hnorm.weight", "shared_head.norm.weight"), (hidden,))
+        )
+        layer["eh_proj.weight"] = (hidden, 2 * hidden)
+        layer["shared_head.head.weight"] = layer["embed_tokens.weight"] = (cfg.vocab_size, hidden)
     shapes = {f"model.layers.*.{name}": shape for name, shape in layer.items()}
     shapes["model.embed_tokens.weight"] = (cfg.vocab_size, hidden)
     shapes["model.norm.weight"] = (hidden,)

@@ -37,7 +37,7 @@ def _stage_plan(record: ModelRecord, config: TransformerConfig, stage: int, dtyp
     (its routed experts gathered over expert parallelism: ``gather.ep_hf_names``)."""
     for chunk in model_chunks_of_rank(config, stage):
         for m in record.tensor_maps(chunk).values():
-            if m.tied_copy:
+            if not record.exports(m):
                 continue
             for name in ep_hf_names(record, m, chunk):
                 yield name, torch.empty(record.hf_shape(name), dtype=dtype, device="meta")
