@@ -472,6 +472,7 @@ def build_model(
     model's record needs ``layer_spec_kind`` of the spec used. ValueError for CP > 1 on a GPU
     with the local spec (:func:`check_local_attention_fits`).
     """
+    mtp = _check_mtp(config, head)
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     sizes = {
@@ -497,7 +498,6 @@ def build_model(
     tp = config.tensor_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size
     pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
-    mtp = _check_mtp(config, head)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = None if vpp is None else vp_stage

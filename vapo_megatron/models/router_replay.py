@@ -89,8 +89,15 @@ class ModelRouterReplay:
     """The replay instances of one model's routers (every chunk of it on this rank)."""
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module]) -> None:
+        # The decoder's routers only: an MTP layer's (models/mtp.py, layer number past
+        # num_layers) has no recorded routes and routes from its own scores in every pass.
         self.chunk_routers = [
-            [m for m in chunk.modules() if isinstance(m, TopKRouter)] for chunk in model_chunks
+            [
+                m
+                for m in chunk.modules()
+                if isinstance(m, TopKRouter) and m.layer_number <= m.config.num_layers
+            ]
+            for chunk in model_chunks
         ]
         self.routers = [router for routers in self.chunk_routers for router in routers]
         if not self.routers:

@@ -8,7 +8,8 @@ bit-identical (HF in, the stream's HF tensors out, the shared-head copies except
 writes them); the rollout stream holds no MTP tensor; ``mtp_loss`` is logged, finite and falls;
 the MTP layer's weights change; the main model's weights and PPO metrics after both steps are
 bit-identical to the frozen path's (the MTP loss reaches the MTP layer only; clipping off: the
-gradient norm counts the MTP layer's gradients).
+gradient norm counts the MTP layer's gradients); routing replay takes the decoder's routers
+only, not the MTP layer's.
 
 Usage: python mtp_training_worker.py
 """
@@ -45,6 +46,10 @@ def train(hf, tensors, data, weight: float) -> tuple[dict[str, torch.Tensor], li
     engine.load_hf(tensors)
     if weight:
         check_round_trip(engine, hf, tensors)
+    # Routing replay drives the decoder's routers only (no routes given here: each keeps its
+    # own top-k); the MTP layer's router, layer number past num_layers, is not among them.
+    engine.track_routes(replay=True)
+    assert engine.router_replay.layers == list(range(hf.first_k_dense, hf.num_layers))
     vocab = engine.vocab_slice
     steps = []
     for _ in range(2):
