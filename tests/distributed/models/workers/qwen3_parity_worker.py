@@ -3,9 +3,9 @@
 logits (policy) and values (critic trunk + score) at each (TP, PP, CP, EP) layout, padded and
 packed.
 
-Usage: python qwen3_parity_worker.py FAMILY "1x1x1x1,2x1x1x1,..."  (TP x PP x CP x EP; DP
-takes the other ranks; MoE layouts with TP > 1 run with sequence parallelism, as megatron's
-MoE layer requires in training).
+Usage: python qwen3_parity_worker.py FAMILY "1x1x1x1,2x1x1x1,1x2x1x1x2,..."  (TP x PP x CP x
+EP, then VPP where a fifth field is given; DP takes the other ranks; MoE layouts with TP > 1
+run with sequence parallelism, as megatron's MoE layer requires in training).
 """
 
 from __future__ import annotations
@@ -111,8 +111,11 @@ def rows_of(full: torch.Tensor, mb, count: int) -> list[torch.Tensor]:
 
 
 def check(name: str, hf: HFModelConfig, samples, refs) -> None:
-    tp, pp, cp, ep = (int(v) for v in name.split("x"))
-    layout = ModelLayout(tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=hf.is_moe and tp > 1)
+    tp, pp, cp, ep, *vpp = (int(v) for v in name.split("x"))  # a fifth field: vpp
+    sp = hf.is_moe and tp > 1
+    layout = ModelLayout(
+        tp=tp, pp=pp, cp=cp, ep=ep, vpp=vpp[0] if vpp else None, sequence_parallel=sp
+    )
     groups = build_model_groups(tp=tp, pp=pp, cp=cp, ep=ep)
     for head in HEADS:
         want_all, sd = refs[head]

@@ -3,9 +3,9 @@ qk norms) tiny models through the production model path give transformers' logit
 and values (critic trunk + score) at each (TP, PP, CP, EP) layout, padded and packed: the
 first layer dense, shared experts, sigmoid routing with a non-zero expert bias, groups.
 
-Usage: python sigmoid_moe_parity_worker.py FAMILY "1x1x1x1,2x1x1x1,..."  (FAMILY:
-deepseek_v3, deepseek_v3_yarn or glm4_moe; layouts TP x PP x CP x EP as
-``qwen3_parity_worker.py``, whose check this runs).
+Usage: python sigmoid_moe_parity_worker.py FAMILY "1x1x1x1,2x1x1x1,1x2x1x1x2,..."  (FAMILY:
+deepseek_v3, deepseek_v3_yarn or glm4_moe; layouts TP x PP x CP x EP, then VPP where a fifth
+field is given, as ``qwen3_parity_worker.py``, whose check this runs).
 """
 
 from __future__ import annotations
