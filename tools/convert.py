@@ -1,7 +1,7 @@
 """Convert checkpoints between Hugging Face and megatron-core, and check a conversion.
 
     python tools/convert.py hf-to-mcore --hf DIR --out DIR --tp N --pp M [--ep E --etp T]
-        [--critic-from policy|reward-model] [--dtype bf16|fp32] [--force]
+        [--critic-from policy|reward-model] [--dtype bf16|fp32] [--mtp-in-model] [--force]
     python tools/convert.py mcore-to-hf --ckpt DIR --out DIR [--hf-config DIR]
         [--max-shard-size 5GB] [--force]
     python tools/convert.py verify --hf DIR --ckpt DIR [--tp N --pp M]
@@ -109,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument(
         "--dtype", choices=sorted(DTYPES), help="checkpoint dtype (default: the HF tensors')"
     )
+    to_mcore.add_argument(
+        "--mtp-in-model",
+        action="store_true",
+        help="put the MTP layers (num_nextn_predict_layers) into the model, for a policy trained "
+        "with policy.mtp.loss_weight > 0; default: carried beside it as files (mtp/)",
+    )
     to_mcore.add_argument("--force", action="store_true", help="replace a non-empty --out")
 
     to_hf = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF directory")
@@ -139,7 +145,9 @@ def _world_size(args: argparse.Namespace) -> int:
 
 def _check_hf_to_mcore(args: argparse.Namespace) -> conv.HFSource:
     dtype = DTYPES[args.dtype] if args.dtype else None
-    source = conv.inspect_hf(args.hf, critic_from=args.critic_from, dtype=dtype)
+    source = conv.inspect_hf(
+        args.hf, critic_from=args.critic_from, dtype=dtype, mtp=args.mtp_in_model
+    )
     conv.check_layout(source.hf, args.tp, args.pp, args.ep, args.etp)
     conv.check_output_dir(args.out, force=args.force, inputs=[args.hf])
     return source

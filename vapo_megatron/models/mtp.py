@@ -68,6 +68,7 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import make_viewless_tensor
 
 from vapo_megatron.models.config import LayerSpecKind
@@ -263,6 +264,13 @@ class MTPGPTModel(GPTModel):
             .contiguous()
             for h in depths
         )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """GPTModel's, with ``metadata``'s dp_cp_group filled in: GPTModel reads it for the
+        last stage's copy of the embedding (MTP without the first stage) from the dict it was
+        given, None when the caller gave none (the converter's meta model)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
     def _detached_embedding(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
         with torch.no_grad():

@@ -56,6 +56,7 @@ from vapo_megatron.weights.critic import (
     policy_hf_tensors,
     reward_model_hf_tensors,
 )
+from vapo_megatron.weights.mtp import check_policy_checkpoint
 
 logger = logging.getLogger("vapo_megatron")
 
@@ -265,6 +266,10 @@ class Session:
         checkpoint."""
         config = self.config
         if config.policy.load:
+            check_policy_checkpoint(
+                mckpt.load_metadata(config.policy.load), trained=config.policy.mtp.trained,
+                path=config.policy.load,
+            )  # fmt: skip
             mckpt.load_model_weights(
                 self.policy.chunks, config.policy.load, hf=self.hf, head="lm",
                 dp_cp_group=self.policy.groups.pg_collection.dp_cp, host_group=self.host_group,

@@ -35,7 +35,18 @@ from vapo_megatron.checkpoint.model import (
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.parallel import collectives
 from vapo_megatron.weights import hf_io
-from vapo_megatron.weights.mtp import MTP_DIR, is_mtp_tensor, mtp_tensors, write_mtp
+from vapo_megatron.weights.mtp import (
+    MTP_COPIES,
+    MTP_DIR,
+    MTP_IN_MODEL,
+    MTP_ORIGIN,
+    check_mtp_in_model,
+    is_mtp_tensor,
+    mtp_copies,
+    mtp_in_checkpoint,
+    mtp_tensors,
+    write_mtp,
+)
 from vapo_megatron.weights.record import ModelChunk, ModelRecord
 
 # ----- HF -> Megatron -----
@@ -56,9 +67,12 @@ class HFSource:
     'reward-model': critic with the reward model's trunk and ``score.weight``."""
     dtype: torch.dtype
     """dtype of the Megatron checkpoint."""
+    mtp: bool = False
+    """The MTP layers go into the model (``policy.mtp.loss_weight`` > 0 trains them), not
+    beside it as files (``weights/mtp.py``)."""
 
     def record(self) -> ModelRecord:
-        return ModelRecord(self.hf, self.head, layer_spec="local")  # as _meta_model builds
+        return ModelRecord(self.hf, self.head, layer_spec="local", mtp=self.mtp)  # as built
 
 
 def inspect_hf(
@@ -66,8 +80,11 @@ def inspect_hf(
     *,
     critic_from: CriticFrom | None = None,
     dtype: torch.dtype | None = None,
+    mtp: bool = False,
 ) -> HFSource:
-    """Read an HF directory's config and headers and check it can be converted as asked.
+    """Read an HF directory's config and headers and check it can be converted as asked
+    (``mtp``: the MTP layers into the model, for a policy trained with
+    ``policy.mtp.loss_weight`` > 0).
 
     ValueError for an unsupported architecture, a missing or unexpected tensor, a wrong shape, a
     non-float tensor, or a head that does not match the checkpoint. Reads no tensor data."""
@@ -127,7 +144,10 @@ def inspect_hf(
         dtype = next(iter(dtypes))
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"checkpoint dtype must be float32 or bfloat16, got {dtype}")
-    return HFSource(checkpoint, hf, head, critic_from, dtype)
+    if mtp:
+        check_mtp_in_model(hf, head, hf_dir)
+        list(mtp_tensors(hf_dir, hf))  # every MTP layer present (reads headers, no data)
+    return HFSource(checkpoint, hf, head, critic_from, dtype, mtp)
 
 
 def check_layout(hf: HFModelConfig, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
@@ -195,6 +215,7 @@ def hf_to_mcore(
             "source": str(source.checkpoint.path.resolve()),
             "critic_from": source.critic_from,
             **({"ep": ep, "etp": etp} if source.hf.is_moe else {}),
+            **({MTP_ORIGIN: MTP_IN_MODEL} if source.mtp else {}),
             **(origin or {}),
         },
     )
@@ -203,7 +224,7 @@ def hf_to_mcore(
         assets = Path(out_dir) / ASSETS_DIR
         assets.mkdir()
         hf_io.copy_assets(source.checkpoint.path, assets)
-        if source.hf.mtp_num_layers:  # frozen, as they are (weights/mtp.py)
+        if source.hf.mtp_num_layers and not source.mtp:  # frozen, as they are (weights/mtp.py)
             tensors = mtp_tensors(source.checkpoint.path, source.hf)
             write_mtp(tensors, out_dir, source.checkpoint.config)
     collectives.barrier(None)
@@ -216,7 +237,9 @@ def _converted_state(source: HFSource, tp: int, pp: int, ep: int, etp: int) -> d
     so they are the only copy."""
     from megatron.core import parallel_state as ps
 
-    (model,), config = _meta_model(source.hf, source.head, tp, pp, source.dtype, ep, etp)
+    (model,), config = _meta_model(
+        source.hf, source.head, tp, pp, source.dtype, ep, etp, mtp=source.mtp
+    )
     record = source.record()
     chunk = ModelChunk.for_stage(
         config,
@@ -299,12 +322,14 @@ def mcore_to_hf(
     check_output_dir(out_dir, force=force, inputs=[ckpt_dir])
     _init_single_process()
     hf = HFModelConfig.from_hf(hf_config)
-    record = ModelRecord(hf, meta.head, layer_spec="local")  # as _meta_model builds
+    mtp = mtp_in_checkpoint(meta)
+    record = ModelRecord(hf, meta.head, layer_spec="local", mtp=mtp)  # as _meta_model builds
     prepare_output_dir(out_dir, force=force, inputs=[ckpt_dir])
-    (model,), _ = _meta_model(hf, meta.head, 1, 1, meta.torch_dtype)
+    (model,), _ = _meta_model(hf, meta.head, 1, 1, meta.torch_dtype, mtp=mtp)
     sharded = model.sharded_state_dict()
     writer = hf_io.SafetensorsWriter(out_dir, max_shard_bytes)
     chunk = ModelChunk.whole(hf.num_layers)
+    shared = {}  # what the MTP layers' copies copy (in the model: trained)
     for group in _load_groups(record.tensor_maps(chunk)):
         requests = {name: _read_request(sharded[name], meta.torch_dtype) for name in group}
         loaded = dist_checkpointing.load(
@@ -315,8 +340,12 @@ def mcore_to_hf(
         for name, (_, finish) in requests.items():
             for hf_name, tensor in record.megatron_to_hf(name, [finish(loaded[name])], chunk):
                 writer.add(hf_name, tensor)
+                if mtp and hf_name in MTP_COPIES:
+                    shared[hf_name] = tensor
         del loaded, requests
-    if hf.mtp_num_layers:  # carried beside the model (weights/mtp.py)
+    for hf_name, tensor in mtp_copies(hf, shared):
+        writer.add(hf_name, tensor)
+    if hf.mtp_num_layers and not mtp:  # carried beside the model (weights/mtp.py)
         for hf_name, tensor in mtp_tensors(Path(ckpt_dir) / MTP_DIR, hf):
             writer.add(hf_name, tensor)
     writer.close()
@@ -390,15 +419,19 @@ def _meta_model(
     dtype: torch.dtype,
     ep: int = 1,
     etp: int | None = None,
+    *,
+    mtp: bool = False,
 ):
-    """This rank's GPTModel chunks on the meta device (no memory) and their TransformerConfig.
+    """This rank's GPTModel chunks on the meta device (no memory) and their TransformerConfig
+    (``mtp``: with the MTP layers).
 
     Always the local layer spec, whatever the machine has (so ``ModelRecord``'s default
     ``layer_spec="local"`` names its parameters): its checkpoint keys are Transformer Engine's
     too, and a TE model loads the result (``checkpoint.load_model_weights``)."""
     from vapo_megatron.models.provider import build_model, local_spec, transformer_config
 
-    config = transformer_config(hf, _layout(tp, pp, ep, etp, moe=hf.is_moe), params_dtype=dtype)
+    layout = _layout(tp, pp, ep, etp, moe=hf.is_moe)
+    config = transformer_config(hf, layout, params_dtype=dtype, mtp=mtp)
     config.perform_initialization = False
     with torch.device("meta"):
         return build_model(hf, config, head=head, layer_spec=local_spec(hf)), config

@@ -18,13 +18,8 @@ from vapo_megatron.parallel import collectives
 from vapo_megatron.parallel.devices import HOST
 from vapo_megatron.weights import hf_io
 from vapo_megatron.weights.buckets import NamedTensor
-from vapo_megatron.weights.mtp import mtp_tensors
+from vapo_megatron.weights.mtp import MTP_COPIES, mtp_copies, mtp_tensors
 
-MTP_COPIES = {
-    "lm_head.weight": "shared_head.head.weight",
-    "model.embed_tokens.weight": "embed_tokens.weight",
-}
-"""HF name -> the name of its copy in each MTP layer (``model.layers.{num_layers + k}.``)."""
 BUCKET_BYTES = 256 << 20
 """Bucket size of the export's stream (``ModelEngine.hf_buckets(BUCKET_BYTES)``)."""
 
@@ -61,15 +56,13 @@ def export_hf(
             for name, tensor in bucket:
                 host = tensor.to(HOST, copy=True)  # safetensors writes host memory
                 writer.add(name, host)
-                if name in MTP_COPIES:
+                if mtp_in_stream and name in MTP_COPIES:
                     shared[name] = host
     if rank == 0:
         hf = HFModelConfig.from_hf(hf_config) if head == "lm" else None
-        if hf is not None and hf.mtp_num_layers and mtp_in_stream:
-            for layer in range(hf.num_layers, hf.num_layers + hf.mtp_num_layers):
-                for source, copy in MTP_COPIES.items():
-                    writer.add(f"model.layers.{layer}.{copy}", shared[source].clone())
-        elif hf is not None and hf.mtp_num_layers:  # frozen, from the model the run started
+        for name, tensor in mtp_copies(hf, shared):  # trained in the model
+            writer.add(name, tensor)
+        if hf is not None and hf.mtp_num_layers and not mtp_in_stream:  # frozen, as it started
             for name, tensor in mtp_tensors(assets_from, hf):
                 writer.add(name, tensor)
         writer.close()
