@@ -40,6 +40,7 @@ from vapo_megatron.rollout.route_recorder import ROUTE_DTYPE, RouteRecorder
 from vapo_megatron.rollout.sleep_state import SleepLevel, SleepState, TrainingStateOffload
 from vapo_megatron.rollout.vllm_args import (
     check_vllm_version,
+    cpu_rotary_embedding,
     cpu_scheduling,
     cpu_thread_binding,
     group_timeouts,
@@ -266,6 +267,7 @@ class RolloutEngine:
             weight_transfer_config={"backend": "vapo_inline"},
             **group_timeouts(config.dist_timeout),
             **cpu_scheduling(config.max_model_len) if self.is_cpu else {},
+            **cpu_rotary_embedding() if self.is_cpu else {},
             **route_recording(config.record_routes, is_cpu=self.is_cpu, executor=executor),
         )
         self.start_seconds = time.perf_counter() - start

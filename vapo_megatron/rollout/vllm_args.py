@@ -86,6 +86,20 @@ def cpu_scheduling(max_model_len: int) -> dict:
     }
 
 
+def cpu_rotary_embedding() -> dict:
+    """vLLM 0.32's CPU RoPE kernel (``torch.ops._C.rotary_embedding``, which
+    ``RotaryEmbedding.forward_cpu`` calls) steps from token to token by ``stride(-2)``: right
+    for the [tokens, heads * dim] q and k of GQA models, wrong for MLA's (``layers/mla.py``).
+    There q's rope part is [tokens, heads, 64]: the kernel rotates rows 0..tokens-1 of the
+    heads * tokens rows, at positions 0..tokens-1, and leaves the rest; k_pe is a slice of the
+    [tokens, 576] latent, so it rotates the wrong memory. A DeepSeek-V3 with plain RoPE then
+    differs from transformers from its second token on
+    (``tests/integration/weights/test_sync_sigmoid_moe.py``). With the op off, vLLM runs its
+    torch ``forward_native``, right for any layout. (YaRN's ``DeepseekScalingRotaryEmbedding``
+    has no CPU kernel: right either way.)"""
+    return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+
+
 def replica_and_executor(tp: int, in_job: bool) -> tuple[int, int, str]:
     """(engine replica, rank in it, vLLM executor) of this process: in a distributed job the
     world's ranks in replicas of ``tp`` under vLLM's external launcher; alone, one replica

@@ -54,6 +54,7 @@ class InlineWeightTransferEngine(WeightTransferEngine[InlineInitInfo, InlineUpda
         pass
 
     def start_weight_update(self) -> None:
+        cpu_moe_layers(self.model)  # refuses a padded CPU MoE before any layer is touched
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: InlineUpdateInfo) -> None:
@@ -73,6 +74,36 @@ except ValueError:  # already registered: this module was imported before in thi
     pass
 
 
+def cpu_moe_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
+    """(layer, its ``CPUUnquantizedExperts``) of each of vLLM-CPU's prepacked MoE layers; empty
+    on a GPU build. Raises when one is padded: vLLM 0.32's CPU MoE rounds each rank's expert
+    width up to a multiple of 32 at the first load (``CPUUnquantizedExperts.
+    _pad_moe_intermediate``), and its layerwise reload then fails copying the unpadded new
+    weights into the padded ones (``model_loader/reload/layerwise.py::
+    _copy_and_restore_kernel_tensors``: "The size of tensor a (64) must match the size of
+    tensor b (32)"; a width-32 expert at vLLM TP 2)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM build without the CPU MoE kernels (GPU)
+        return []
+    layers = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
+            continue
+        config = experts.moe_config
+        width = config.intermediate_size_per_partition
+        if experts._padded_intermediate_size(config) != width:
+            raise ValueError(
+                f"vLLM-CPU pads this MoE's expert width per rank, {width}, to a multiple of 32 "
+                "for its kernel, and weight updates into a padded CPU MoE fail: pick a "
+                "moe_intermediate_size that is a multiple of 32 x the vLLM TP size"
+            )
+        layers.append((module, experts))
+    return layers
+
+
 def repack_cpu_moe_weights(model: torch.nn.Module) -> int:
     """Prepack again the routed experts of vLLM-CPU's MoE layers after a weight update; return
     how many layers were repacked.
@@ -84,31 +115,16 @@ def repack_cpu_moe_weights(model: torch.nn.Module) -> int:
     packed parameters and skips the prepack, so the kernel reads HF-layout rows as packed ones
     and generates garbage. Found by a Qwen3-MoE sync test (tests/integration/weights/
     test_sync_moe.py). GPU kernels take the copied layout as is: nothing to do there."""
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
-            CPUUnquantizedExperts,
-            cpu_prepack_moe_weight,
-        )
-    except ImportError:  # a vLLM build without the CPU MoE kernels (GPU)
+    layers = cpu_moe_layers(model)
+    if not layers:
         return 0
-    repacked = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if not isinstance(experts, CPUUnquantizedExperts) or experts._use_zentorch:
-            continue
-        config = experts.moe_config
-        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
-            raise ValueError(
-                f"vLLM-CPU pads this MoE's intermediate size {config.intermediate_size_per_partition}"
-                " for its kernel; weight updates into a padded CPU MoE are not supported: pick a "
-                "moe_intermediate_size the CPU kernel does not pad"
-            )
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import cpu_prepack_moe_weight
+
+    for module, experts in layers:
         for name in ("w13_weight", "w2_weight"):
             weight = getattr(module, name)
             weight.data.copy_(cpu_prepack_moe_weight(weight.data.clone(), experts.isa))
-        repacked += 1
-    return repacked
+    return len(layers)
 
 
 def _proc_status_bytes(*keys: str) -> dict[str, int]:
