@@ -169,7 +169,8 @@ class MTPBlock(MultiTokenPredictionBlock):
         self.mtp_loss_scaling_factor = config.mtp_loss_scaling_factor
         self.vp_stage = vp_stage
         self._build_layers(pg_collection)
-        self.cp_group = pg_collection.cp
+        # MegatronModule.sharded_state_dict reads parallel_state's TP group without one.
+        self.cp_group, self.tp_group = pg_collection.cp, pg_collection.tp
 
 
 @contextlib.contextmanager

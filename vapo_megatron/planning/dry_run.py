@@ -497,6 +497,8 @@ def _figures(
             "checkpoint": checkpoint_bytes(hf, layout, work, head=head, pp_rank=pp_rank,
                                            tp_rank=groups.tp_rank),
         },
-        "planned_param_count": shard_param_count(hf, layout, head=head, pp_rank=pp_rank),
+        "planned_param_count": shard_param_count(
+            hf, layout, head=head, pp_rank=pp_rank, mtp=work.builds_mtp(head)
+        ),
         "checkpoint": checkpoint,
     }  # fmt: skip

@@ -18,7 +18,6 @@ from typing import Literal
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import Head, HFModelConfig
 from vapo_megatron.planning.params import (
-    MEGATRON_BUILDS_MTP,
     is_moe_layer,
     layer_replicated_count,
     moe_layer_count,
@@ -63,7 +62,7 @@ def distributed_optimizer(work: Workload, head: Head) -> bool:
 
 
 def tp_replicated_param_count(
-    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int
+    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int, mtp: bool = False
 ) -> int:
     """Parameters every TP rank of a stage holds whole: the RMSNorm weights (q and k norms,
     MLA's q and kv norms too), the MoE routers (and the value head; the multi-token-prediction
@@ -73,7 +72,7 @@ def tp_replicated_param_count(
     count = sum(layer_replicated_count(hf, moe=is_moe_layer(hf, n)) for n in layers)
     if pp_rank == layout.pp - 1:
         count += hf.hidden_size * (2 if head == "value" else 1)  # final norm, value head
-        if head == "lm" and MEGATRON_BUILDS_MTP:  # enorm, hnorm, final norm, the layer's
+        if head == "lm" and mtp:  # enorm, hnorm, final norm, the layer's
             last = layer_replicated_count(hf, moe=is_moe_layer(hf, hf.num_layers - 1))
             count += hf.mtp_num_layers * (3 * hf.hidden_size + last)
     return count
@@ -96,14 +95,15 @@ def checkpoint_bytes(
     two fp32 moments and an fp32 main copy, except with fp32 weights and the plain optimizer
     (its main copy is the weight); the distributed optimizer saves its main copy even in fp32.
     Experts: every EP rank's (module doc)."""
-    dense, expert = shard_param_split(hf, layout, head=head, pp_rank=pp_rank)
+    mtp = work.builds_mtp(head)
+    dense, expert = shard_param_split(hf, layout, head=head, pp_rank=pp_rank, mtp=mtp)
     params = dense + expert * layout.ep * layout.expert_tp // layout.tp
     sharded = distributed_optimizer(work, head)
     weight = 2 if work.bf16 else 4
     per_param = weight + 8 + (4 if work.bf16 or sharded else 0)
     total = params * per_param
     if tp_rank > 0:  # the distributed optimizer's buckets are per TP rank, norms included
-        replicated = tp_replicated_param_count(hf, layout, head=head, pp_rank=pp_rank)
+        replicated = tp_replicated_param_count(hf, layout, head=head, pp_rank=pp_rank, mtp=mtp)
         total -= replicated * (weight if sharded else per_param)
     return math.ceil(total / (work.world_size // (layout.tp * layout.pp)))
 
@@ -128,7 +128,8 @@ def checkpoint_staging_bytes(models: Models, work: Workload) -> int:
     for head, (hf, layout) in models.items():
         per_stage = []
         for pp_rank in range(layout.pp):
-            tensors = shard_tensor_numels(hf, layout, head=head, pp_rank=pp_rank)
+            mtp = work.builds_mtp(head)
+            tensors = shard_tensor_numels(hf, layout, head=head, pp_rank=pp_rank, mtp=mtp)
             share = checkpoint_bytes(hf, layout, work, head=head, pp_rank=pp_rank)
             per_stage.append(share * pinned_rounding([2 * n for n in tensors]))
         shares.append(max(per_stage))

@@ -249,7 +249,8 @@ def stage_state(
     """Params, grads and Adam bytes of one rank at ``pp_rank`` (activations 0): exact counts
     times byte sizes (module doc); ``planning/dry_run.py`` sets them beside the built objects'.
     Adam: dense parameters sharded over DP x CP, expert ones over expert DP."""
-    dense, expert = shard_param_split(hf, layout, head=head, pp_rank=pp_rank)
+    mtp = work.builds_mtp(head)
+    dense, expert = shard_param_split(hf, layout, head=head, pp_rank=pp_rank, mtp=mtp)
     params = dense + expert
     param_bytes = 2 if work.bf16 else 4
     adam_bytes = 12 if work.bf16 else 8

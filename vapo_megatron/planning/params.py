@@ -19,12 +19,6 @@ from __future__ import annotations
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import Head, HFModelConfig
 
-MEGATRON_BUILDS_MTP = False
-"""Whether the trainer's megatron model carries the multi-token-prediction layers: not yet
-(``models/provider.py`` passes no ``mtp_block_spec``; the HF checkpoint's MTP layers are the
-converter's and the exporter's). The per-rank counts follow the build; set this when the
-provider builds them (``mtp_numels`` is what they add on the last stage)."""
-
 
 def attention_numels(hf: HFModelConfig, layout: ModelLayout) -> list[int]:
     """Elements of each attention tensor of one decoder layer on one TP rank (norms included).
@@ -115,10 +109,12 @@ def mtp_numels(hf: HFModelConfig, layout: ModelLayout) -> tuple[list[int], list[
 
 
 def shard_numels(
-    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int
+    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int, mtp: bool = False
 ) -> tuple[list[int], list[int]]:
     """(dense, expert) elements of each parameter tensor one rank at ``pp_rank`` holds (every
-    TP rank of a stage holds the same shapes, norms replicated)."""
+    TP rank of a stage holds the same shapes, norms replicated). ``mtp``: the policy's
+    multi-token-prediction layers are built (``policy.mtp.loss_weight`` > 0: on the last
+    stage, :func:`mtp_numels`); False: carried as files, nothing built (a critic never)."""
     tp, pp, h = layout.tp, layout.pp, hf.hidden_size
     per_stage = hf.num_layers // pp
     dense: list[int] = []
@@ -129,8 +125,7 @@ def shard_numels(
         expert += layer_expert_numels(hf, layout) if moe else []
     vocab_shard = hf.padded_vocab_size(tp) // tp * h
     first, last = pp_rank == 0, pp_rank == pp - 1
-    # A critic has no use for them: not built.
-    mtp = head == "lm" and hf.mtp_num_layers > 0 and MEGATRON_BUILDS_MTP
+    mtp = mtp and head == "lm" and hf.mtp_num_layers > 0
     if first or (last and mtp):  # MTP reads the embedding on the last stage
         dense.append(vocab_shard)
     if last and mtp:
@@ -148,26 +143,28 @@ def shard_numels(
 
 
 def shard_tensor_numels(
-    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int
+    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int, mtp: bool = False
 ) -> list[int]:
     """Elements of each parameter tensor one rank at ``pp_rank`` holds, dense and expert."""
-    dense, expert = shard_numels(hf, layout, head=head, pp_rank=pp_rank)
+    dense, expert = shard_numels(hf, layout, head=head, pp_rank=pp_rank, mtp=mtp)
     return dense + expert
 
 
 def shard_param_split(
-    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int
+    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int, mtp: bool = False
 ) -> tuple[int, int]:
     """(dense, expert) parameters one rank at ``pp_rank`` holds: what DDP puts in its dense
     buffers and in its expert-parallel buffers."""
-    dense, expert = shard_numels(hf, layout, head=head, pp_rank=pp_rank)
+    dense, expert = shard_numels(hf, layout, head=head, pp_rank=pp_rank, mtp=mtp)
     return sum(dense), sum(expert)
 
 
-def shard_param_count(hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int) -> int:
+def shard_param_count(
+    hf: HFModelConfig, layout: ModelLayout, *, head: Head, pp_rank: int, mtp: bool = False
+) -> int:
     """Parameters one rank at ``pp_rank`` holds; equals ``sum(p.numel())`` over its
     megatron-core ``GPTModel`` chunks."""
-    return sum(shard_param_split(hf, layout, head=head, pp_rank=pp_rank))
+    return sum(shard_param_split(hf, layout, head=head, pp_rank=pp_rank, mtp=mtp))
 
 
 def total_param_count(hf: HFModelConfig, *, head: Head, mtp: bool = True) -> int:
@@ -179,7 +176,7 @@ def total_param_count(hf: HFModelConfig, *, head: Head, mtp: bool = True) -> int
     untied_lm = head == "lm" and not hf.tie_word_embeddings
     total = padded - padding_rows * hf.hidden_size * (2 if untied_lm else 1)
     layers = sum(sum(part) for part in mtp_numels(hf, ModelLayout())) if head == "lm" else 0
-    return total - (layers if MEGATRON_BUILDS_MTP else 0) + (layers if mtp else 0)
+    return total + (layers if mtp else 0)
 
 
 def moe_layer_count(hf: HFModelConfig) -> int:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # only read: planning a recipe needs no config code at import
     from vapo_megatron.config.train import TrainConfig
+    from vapo_megatron.models.config import Head
 
 GIB = 1 << 30
 
@@ -80,6 +81,13 @@ class Workload:
     """An MoE critic replays its scoring pass's routes (critic.routing_replay: scoring)."""
     ppo_epochs: int = 1
     """Passes of updates over the step's samples (trainer.ppo_epochs; the training time)."""
+    policy_mtp: bool = False
+    """The policy's multi-token-prediction layers are built and trained on its last stage
+    (policy.mtp.loss_weight > 0); False: carried as files, not counted."""
+
+    def builds_mtp(self, head: Head) -> bool:
+        """Whether the model with ``head`` builds MTP layers (a critic never does)."""
+        return head == "lm" and self.policy_mtp
 
     @property
     def sequence_len(self) -> int:
@@ -99,6 +107,7 @@ def planner_workload(config: TrainConfig, world_size: int) -> Workload:
         bf16=bf16,
         distributed_optimizer=config.policy.optim.distributed_optimizer,
         critic_distributed_optimizer=config.critic.optim.distributed_optimizer,
+        policy_mtp=config.policy.mtp.trained,
         uses_critic=config.algorithm.uses_critic,
         policy_recompute=as_tuple(config.policy.recompute),
         critic_recompute=as_tuple(config.critic.recompute),

@@ -2,8 +2,8 @@
 (``policy.mtp.loss_weight`` 0.1) for two steps through the trainer's path at EP 2 on 2 ranks
 (``workers/mtp_training_worker.py``): the record round trip with the MTP layer in the model is
 bit-identical, the rollout stream leaves it out, ``mtp_loss`` is logged and falls, the MTP
-weights move, and the main model is bit-identical to the frozen path's (~70 s on 2 busy
-cores)."""
+weights move, the main model is bit-identical to the frozen path's, and the training
+checkpoint with the MTP layer resumes exactly (~90 s on 2 busy cores)."""
 
 from pathlib import Path
 
@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = Path(__file__).parent / "workers" / "mtp_training_worker.py"
 
 
-def test_mtp_training_moves_the_mtp_layer_only():
-    outputs = "\n".join(run_workers(WORKER, 2, timeout=500))
-    assert "round trip: " in outputs and "bit-identical to the frozen path" in outputs
+def test_mtp_training_moves_the_mtp_layer_only_and_resumes(tmp_path):
+    outputs = "\n".join(run_workers(WORKER, 2, str(tmp_path), timeout=600))
+    for line in ("round trip: ", "bit-identical to the frozen path", "resume: "):
+        assert line in outputs

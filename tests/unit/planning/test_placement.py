@@ -16,7 +16,6 @@ import pytest
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.models.config import HFModelConfig
 from vapo_megatron.planning import memory as mp
-from vapo_megatron.planning import params
 from vapo_megatron.planning import placement as pl
 from vapo_megatron.planning.params import (
     active_param_count,
@@ -56,14 +55,13 @@ def test_sigmoid_family_presets_have_the_published_sizes(name, total, without_mt
 
 
 @pytest.mark.unit
-def test_mla_shared_experts_dense_layers_and_mtp_by_hand(monkeypatch) -> None:
+def test_mla_shared_experts_dense_layers_and_mtp_by_hand() -> None:
     """DeepSeek-V3 at TP 8 x EP 64: MLA's down-projections column-parallel (local spec), its
-    norms whole; layers 0-2 dense, 3-60 MoE with one shared expert; once megatron builds them,
-    the MTP layer (an MoE layer, enorm, hnorm, eh_proj, its norm) on the last stage; a critic
-    builds no MTP."""
+    norms whole; layers 0-2 dense, 3-60 MoE with one shared expert; with the MTP layers trained
+    (policy.mtp.loss_weight > 0), the MTP layer (an MoE layer, enorm, hnorm, eh_proj, its norm)
+    on the last stage; carried as files (the default), none; a critic builds no MTP."""
     hf = preset("deepseek-v3")
     built = shard_param_split(hf, ModelLayout(tp=8, ep=64), head="lm", pp_rank=0)
-    monkeypatch.setattr(params, "MEGATRON_BUILDS_MTP", True)
     layout = ModelLayout(tp=8, ep=64, sequence_parallel=True)
     h = 7168
     q = [1536 // 8 * h, 1536, 128 * 192 // 8 * 1536]
@@ -74,12 +72,12 @@ def test_mla_shared_experts_dense_layers_and_mtp_by_hand(monkeypatch) -> None:
     moe_layer = 2 * h + attention + 256 * h + 3 * 2048 // 8 * h
     mtp = 2 * h + 2 * h * h // 8 + moe_layer + h
     vocab = hf.padded_vocab_size(8) // 8 * h
-    dense, expert = shard_param_split(hf, layout, head="lm", pp_rank=0)
+    dense, expert = shard_param_split(hf, layout, head="lm", pp_rank=0, mtp=True)
     assert dense == 3 * dense_layer + 58 * moe_layer + mtp + 2 * vocab + h
     assert expert == (58 + 1) * 4 * 3 * 2048 // 8 * h  # 4 local experts, expert TP 8
-    critic, critic_expert = shard_param_split(hf, layout, head="value", pp_rank=0)
+    critic, critic_expert = shard_param_split(hf, layout, head="value", pp_rank=0, mtp=True)
     assert (critic, critic_expert) == (dense - mtp - vocab + h, 58 * 4 * 3 * 2048 // 8 * h)
-    assert built == (dense - mtp, critic_expert)  # what the provider builds today
+    assert built == (dense - mtp, critic_expert)  # MTP carried as files: not built
     # Moonlight: no q compression (one q_proj), two shared experts.
     small = preset("moonlight-16b-a3b")
     assert attention_numels(small, ModelLayout(tp=2))[0] == 16 * 192 // 2 * 2048

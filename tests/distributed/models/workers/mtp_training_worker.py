@@ -11,12 +11,17 @@ bit-identical to the frozen path's (the MTP loss reaches the MTP layer only; cli
 gradient norm counts the MTP layer's gradients); routing replay takes the decoder's routers
 only, not the MTP layer's.
 
-Usage: python mtp_training_worker.py
+And the training checkpoint with the MTP layer (megatron's dist-checkpointing) resumes: a
+fresh engine loaded from it takes the same third step.
+
+Usage: python mtp_training_worker.py CHECKPOINT_ROOT
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +29,8 @@ import torch.distributed as dist
 from tests.distributed.models.workers.moe_ep_step_worker import FIELDS, samples
 from tests.distributed.models.workers.mtp_parity_worker import reference
 from vapo_megatron.algorithms.presets import algo_preset
+from vapo_megatron.checkpoint.load import load_train_checkpoint
+from vapo_megatron.checkpoint.save import save_train_checkpoint
 from vapo_megatron.config.layout import ModelLayout
 from vapo_megatron.config.optim import OptimSettings
 from vapo_megatron.engine.model_engine import ModelEngine
@@ -38,31 +45,54 @@ ALGO = algo_preset("vapo", critic_init="policy")
 WEIGHT = 0.1
 
 
-def train(hf, tensors, data, weight: float) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def make_engine(hf, weight: float) -> ModelEngine:
     groups = build_model_groups(tp=1, pp=1, cp=1, ep=2)
     engine = ModelEngine(
         hf, ModelLayout(ep=2), head="lm", optim=OPTIM, groups=groups, mtp_loss_weight=weight
     )
-    engine.load_hf(tensors)
-    if weight:
-        check_round_trip(engine, hf, tensors)
     # Routing replay drives the decoder's routers only (no routes given here: each keeps its
     # own top-k); the MTP layer's router, layer number past num_layers, is not among them.
     engine.track_routes(replay=True)
     assert engine.router_replay.layers == list(range(hf.first_k_dense, hf.num_layers))
+    return engine
+
+
+def step(engine: ModelEngine, data, weight: float) -> dict:
     vocab = engine.vocab_slice
-    steps = []
-    for _ in range(2):
-        steps.append(
-            train_on(
-                engine,
-                data,
-                lambda norm: policy_loss_fn(ALGO, norm, vocab, mtp_loss_weight=weight),
-                field_names=FIELDS,
-                token_budget=32,
-            )  # fmt: skip
-        )
-    return {name: t.clone() for name, t in engine.hf_weights()}, steps
+    return train_on(
+        engine, data, lambda norm: policy_loss_fn(ALGO, norm, vocab, mtp_loss_weight=weight),
+        field_names=FIELDS, token_budget=32,
+    )  # fmt: skip
+
+
+def train(hf, tensors, data, weight: float, root: Path):
+    """(HF weights after two steps, the steps' metrics)."""
+    engine = make_engine(hf, weight)
+    engine.load_hf(tensors)
+    if weight:
+        check_round_trip(engine, hf, tensors)
+    steps = [step(engine, data, weight) for _ in range(2)]
+    weights = {name: t.clone() for name, t in engine.hf_weights()}
+    if weight:
+        check_resume(engine, hf, data, root)
+    return weights, steps
+
+
+def check_resume(engine: ModelEngine, hf, data, root: Path) -> None:
+    """The training checkpoint (megatron's dist-checkpointing: model with its MTP layer,
+    optimizer, scheduler) resumes exactly: a fresh engine loaded from it takes the same third
+    step as the engine that saved it."""
+    save_train_checkpoint(root, 2, {"policy": engine.trainable_state()}, {}, keep_last=1)
+    resumed = make_engine(hf, WEIGHT)
+    load_train_checkpoint(root, {"policy": resumed.trainable_state()})
+    after = [step(e, data, WEIGHT) for e in (engine, resumed)]
+    assert after[0]["mtp_loss"] == after[1]["mtp_loss"], after
+    mine, theirs = dict(engine.hf_weights()), dict(resumed.hf_weights())
+    assert mine.keys() == theirs.keys() and any(is_mtp_tensor(hf, name) for name in mine)
+    for name, tensor in mine.items():
+        assert torch.equal(tensor, theirs[name]), f"{name} differs after resuming"
+    if dist.get_rank() == 0:
+        print(f"resume: the third step equal after a checkpoint ({len(mine)} tensors)")
 
 
 def check_round_trip(engine: ModelEngine, hf, tensors) -> None:
@@ -88,10 +118,10 @@ def main() -> None:
     initialize_cpu_process_group()
     hf, _, _, _, tensors = reference()
     data = samples(hf.vocab_size)
-    trained, mtp_steps = train(hf, tensors, data, WEIGHT)
-    frozen, frozen_steps = train(
-        hf, {k: v for k, v in tensors.items() if not is_mtp_tensor(hf, k)}, data, 0.0
-    )
+    root = Path(sys.argv[1])
+    trained, mtp_steps = train(hf, tensors, data, WEIGHT, root)
+    without_mtp = {k: v for k, v in tensors.items() if not is_mtp_tensor(hf, k)}
+    frozen, frozen_steps = train(hf, without_mtp, data, 0.0, root)
     if dist.get_rank() != 0:
         dist.destroy_process_group()
         return
