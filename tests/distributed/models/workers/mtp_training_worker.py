@@ -14,7 +14,10 @@ only, not the MTP layer's.
 And the training checkpoint with the MTP layer (megatron's dist-checkpointing) resumes: a
 fresh engine loaded from it takes the same third step.
 
-Usage: python mtp_training_worker.py CHECKPOINT_ROOT
+At PP 2 the last stage's copy of the embedding (which the MTP layer reads) follows the
+trained embedding.
+
+Usage: python mtp_training_worker.py CHECKPOINT_ROOT ep2|pp2
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import unwrap_model
 
 from tests.distributed.models.workers.moe_ep_step_worker import FIELDS, samples
 from tests.distributed.models.workers.mtp_parity_worker import reference
@@ -41,19 +45,24 @@ from vapo_megatron.step.updates import train_on
 from vapo_megatron.weights.mtp import is_mtp_tensor
 
 OPTIM = OptimSettings(lr=1e-3, weight_decay=0.0, clip_grad=0.0)
+LAYOUTS = {"ep2": (1, 2), "pp2": (2, 1)}
+"""Layout name -> (PP, EP) on 2 ranks."""
 ALGO = algo_preset("vapo", critic_init="policy")
 WEIGHT = 0.1
 
 
 def make_engine(hf, weight: float) -> ModelEngine:
-    groups = build_model_groups(tp=1, pp=1, cp=1, ep=2)
+    pp, ep = LAYOUTS[sys.argv[2]]
+    groups = build_model_groups(tp=1, pp=pp, cp=1, ep=ep)
     engine = ModelEngine(
-        hf, ModelLayout(ep=2), head="lm", optim=OPTIM, groups=groups, mtp_loss_weight=weight
-    )
+        hf, ModelLayout(pp=pp, ep=ep), head="lm", optim=OPTIM, groups=groups,
+        mtp_loss_weight=weight,
+    )  # fmt: skip
     # Routing replay drives the decoder's routers only (no routes given here: each keeps its
     # own top-k); the MTP layer's router, layer number past num_layers, is not among them.
     engine.track_routes(replay=True)
-    assert engine.router_replay.layers == list(range(hf.first_k_dense, hf.num_layers))
+    layers = engine.router_replay.layers
+    assert layers and all(hf.first_k_dense <= layer < hf.num_layers for layer in layers), layers
     return engine
 
 
@@ -72,10 +81,23 @@ def train(hf, tensors, data, weight: float, root: Path):
     if weight:
         check_round_trip(engine, hf, tensors)
     steps = [step(engine, data, weight) for _ in range(2)]
-    weights = {name: t.clone() for name, t in engine.hf_weights()}
+    weights = whole_model(engine)
+    if weight and engine.layout.pp > 1 and engine.is_last_stage:
+        # The MTP layers' copy of the embedding took the first stage's steps (megatron's
+        # all-reduce of its gradient over the embedding group; the MTP loss adds none).
+        copy = unwrap_model(engine.chunks[0]).embedding.word_embeddings.weight
+        assert torch.equal(copy[: hf.vocab_size], weights["model.embed_tokens.weight"])
+        print("the last stage's embedding copy equals the trained embedding")
     if weight:
         check_resume(engine, hf, data, root)
     return weights, steps
+
+
+def whole_model(engine: ModelEngine) -> dict[str, torch.Tensor]:
+    """Every HF tensor of the model (every stage's), the MTP layer's included."""
+    return {
+        name: t.clone() for bucket in engine.hf_buckets(1 << 20, mtp=True) for name, t in bucket
+    }
 
 
 def check_resume(engine: ModelEngine, hf, data, root: Path) -> None:
@@ -87,7 +109,7 @@ def check_resume(engine: ModelEngine, hf, data, root: Path) -> None:
     load_train_checkpoint(root, {"policy": resumed.trainable_state()})
     after = [step(e, data, WEIGHT) for e in (engine, resumed)]
     assert after[0]["mtp_loss"] == after[1]["mtp_loss"], after
-    mine, theirs = dict(engine.hf_weights()), dict(resumed.hf_weights())
+    mine, theirs = whole_model(engine), whole_model(resumed)
     assert mine.keys() == theirs.keys() and any(is_mtp_tensor(hf, name) for name in mine)
     for name, tensor in mine.items():
         assert torch.equal(tensor, theirs[name]), f"{name} differs after resuming"
