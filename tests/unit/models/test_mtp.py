@@ -128,3 +128,22 @@ def test_provider_refuses_mtp_where_it_cannot_build(hf):
     assert config.mtp_num_layers == 1
     with pytest.raises(ValueError, match="critic"):
         build_model(hf, config, head="value")
+
+
+def test_a_recipe_asking_to_train_mtp_on_a_model_without_is_refused_before_any_rank():
+    from tests.launcher import REPO_ROOT
+    from vapo_megatron.config.checks import check_layouts_on_models
+    from vapo_megatron.config.recipe import load_recipe
+    from vapo_megatron.weights import hf_io
+
+    dense = REPO_ROOT / "vapo_megatron" / "tiny" / "demo" / "model"  # a qwen2, no MTP
+    hf = HFModelConfig.from_hf(hf_io.read_config(dense))
+    models = {"policy": (str(dense), hf), "critic": (str(dense), hf)}
+    recipe = REPO_ROOT / "recipes" / "tiny_cpu.yaml"
+    config = load_recipe(recipe, [f"model.path={dense}", "policy.mtp.loss_weight=0.1"])
+    assert config.policy.mtp.trained
+    with pytest.raises(ValueError, match=rf"policy.mtp.loss_weight=0.1 but the policy \({dense}\)"):
+        check_layouts_on_models(config, models, world_size=2)
+    check_layouts_on_models(load_recipe(recipe, [f"model.path={dense}"]), models, world_size=2)
+    with pytest.raises(ValueError, match="policy.mtp.loss_weight=-1.0 must be >= 0"):
+        load_recipe(recipe, ["policy.mtp.loss_weight=-1"])
