@@ -10,8 +10,11 @@ plain-torch reference made of transformers' modules:
 deepseek_mtp.py does). The MTP head at the last position reads a token past the sequence,
 so positions 0 .. n - 2 are compared.
 
-Usage: python mtp_parity_worker.py "1x1x1x1,2x1x1x2,..."  (TP x PP x CP x EP, as
-``qwen3_parity_worker.py``).
+GLM-4.5 (``glm4_moe``: the same MTP module around its own decoder layer, GQA with partial
+RoPE) runs the same check.
+
+Usage: python mtp_parity_worker.py "1x1x1x1,2x1x1x2,..." [deepseek_v3|glm4_moe]  (TP x PP x
+CP x EP, as ``qwen3_parity_worker.py``).
 """
 
 from __future__ import annotations
@@ -21,10 +24,6 @@ import sys
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-    DeepseekV3DecoderLayer,
-    DeepseekV3RMSNorm,
-)
 
 from tests.distributed.models.workers.qwen3_parity_worker import (
     LENGTHS,
@@ -46,17 +45,19 @@ TOLERANCE = 2e-5
 
 
 class MTPReference(torch.nn.Module):
-    """DeepSeek-V3's MTP layer ``layer`` (HF ``model.layers.{layer}``) from transformers'
-    modules, with random weights (norm gains around 1, a non-zero expert bias)."""
+    """The MTP layer ``layer`` (HF ``model.layers.{layer}``) of ``policy``'s family from
+    transformers' modules (its decoder layer and RMSNorm classes), with random weights (norm
+    gains around 1, a non-zero expert bias)."""
 
-    def __init__(self, config, layer: int, gen: torch.Generator):
+    def __init__(self, config, layer: int, gen: torch.Generator, policy):
         super().__init__()
         hidden = config.hidden_size
-        self.enorm = DeepseekV3RMSNorm(hidden, config.rms_norm_eps)
-        self.hnorm = DeepseekV3RMSNorm(hidden, config.rms_norm_eps)
+        norm = type(policy.model.norm)
+        self.enorm = norm(hidden, config.rms_norm_eps)
+        self.hnorm = norm(hidden, config.rms_norm_eps)
         self.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
-        self.decoder = DeepseekV3DecoderLayer(config, layer_idx=layer)
-        self.norm = DeepseekV3RMSNorm(hidden, config.rms_norm_eps)
+        self.decoder = type(policy.model.layers[-1])(config, layer_idx=layer)
+        self.norm = norm(hidden, config.rms_norm_eps)
         with torch.no_grad():
             for name, param in self.named_parameters():
                 noise = torch.randn(param.shape, generator=gen)
@@ -101,15 +102,15 @@ class MTPReference(torch.nn.Module):
         return policy.lm_head(self.norm(out))[0]
 
 
-def reference():
-    config = tiny_config("deepseek_v3")
+def reference(family: str = "deepseek_v3"):
+    config = tiny_config(family)
     config.num_nextn_predict_layers = 1
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config).float().eval()
     for layer in policy.model.layers[config.first_k_dense_replace :]:
         layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(config.n_routed_experts) * 0.05)
     gen = torch.Generator().manual_seed(2)
-    mtp = MTPReference(config, config.num_hidden_layers, gen).float().eval()
+    mtp = MTPReference(config, config.num_hidden_layers, gen, policy).float().eval()
     samples, logits, mtp_logits = [], [], []
     for n_prompt, n_resp in LENGTHS:
         tokens = torch.randint(0, config.vocab_size, (n_prompt + n_resp,), generator=gen)
@@ -161,7 +162,7 @@ def check(name: str, hf: HFModelConfig, samples, logits, mtp_logits, tensors) ->
 
 def main() -> None:
     initialize_cpu_process_group()
-    reference_outputs = reference()
+    reference_outputs = reference(*sys.argv[2:3])
     for name in sys.argv[1].split(","):
         check(name, *reference_outputs)
     dist.destroy_process_group()
