@@ -527,8 +527,9 @@ class ModelRecord:
         converted as soon as its last member arrives, so a converter holds at most one layer's
         partial group besides the result. Every returned tensor owns its storage. ValueError
         for an unknown name, a duplicate, a wrong shape or a missing tensor. The MTP layers'
-        tensors (DeepSeek-V3's ``num_nextn_predict_layers``) are passed over: megatron does
-        not hold them (``weights/mtp.py``).
+        tensors (DeepSeek-V3's ``num_nextn_predict_layers``) are passed over unless the
+        record's ``mtp`` (else carried as files, ``weights/mtp.py``); with it, their copies of
+        the lm head and the embedding are (megatron shares the model's).
         """
         etp_rank = tp_rank if etp_rank is None else etp_rank
         etp_size = tp_size if etp_size is None else etp_size
