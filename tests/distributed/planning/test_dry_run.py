@@ -4,7 +4,8 @@ The tiny recipe's dry run at world 2 equals a real 2-rank gloo build of the same
 (groups, parameter counts, every byte figure, and the checkpoint tensors each rank writes
 against the files megatron's writer really wrote); the 32B recipe at world 128 and the 7B
 recipe at world 8 build, and agree with the planner's exact parameter counts; a world size the
-layout cannot use fails with the real run's message.
+layout cannot use fails with the real run's message. The slow tier runs the MoE recipes at
+their world sizes (Qwen3-235B at 256, DeepSeek-V3 at 1024, GLM-4.5 at 512 over 4 stages).
 """
 
 from __future__ import annotations
@@ -200,6 +201,64 @@ def test_235b_recipe_at_world_256_agrees_with_the_planner() -> None:
         assert len(policy["groups"]["ep"]) == 32 and len(policy["groups"]["expt_dp"]) == 1
     assert first["policy"]["coords"]["ep"] == 0 and last["policy"]["coords"]["ep"] == 31
     assert first["vllm_replica_ranks"] == list(range(8)) and last["vllm_replica"] == 31
+
+
+@pytest.mark.slow  # 27 min (389 s of CPU) on 2 cores at load 5-12: 2 x 128 checkpoint peers
+@pytest.mark.timeout(3600)
+def test_deepseek_v3_recipe_at_world_1024_agrees_with_the_planner() -> None:
+    """DeepSeek-V3 (MLA, 3 dense + 58 MoE layers of 256 experts, a shared expert) at TP 8 x
+    EP 128 (expert TP 8, expert DP 1) for both models, 1024 ranks, the recipe as written:
+    ranks 0, 512 and 1016 share their DP x CP group (TP rank 0, so the 2 x 128 peers are
+    built once) and hold experts 0-1, 128-129 and 254-255; parameters, grads and Adam to the
+    byte."""
+    done = dry_run("vapo_deepseek_v3.yaml", "--world-size", "1024", "--ranks", "0,512,1016",
+                   "--model", "deepseek-v3", timeout=3500)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reports = last_json(done.stdout)["ranks"]
+    for report, ep_rank in zip(reports, (0, 64, 127), strict=True):
+        for role in ("policy", "critic"):
+            model = report[role]
+            assert model["layout"] == {"tp": 8, "pp": 1, "cp": 1, "dp": 128, "ep": 128,
+                                       "etp": 8, "edp": 1}  # fmt: skip
+            assert model["coords"]["ep"] == ep_rank and model["coords"]["tp"] == 0
+            assert_planner_bytes(report, role)
+            assert len(model["groups"]["ep"]) == 128 and len(model["groups"]["expt_dp"]) == 1
+            # Megatron's save plan gives each tensor the DP ranks hold alike to one of them
+            # whole, the planner divides those bytes evenly: rank 0 writes the embedding's TP
+            # shard (233 MB, +198 MB: 2.2 %), 512 and 1016 -3.5 and -3.8 MB.
+            built, planned = model["built_bytes"], model["planned_bytes"]
+            assert abs(built["checkpoint"] - planned["checkpoint"]) < 0.03 * planned["checkpoint"]
+        assert report["data_path"] == "shards"
+    assert [r["vllm_replica"] for r in reports] == [0, 8, 15]
+
+
+@pytest.mark.slow  # 6 min on 2 cores at load ~8 (76 s of CPU): 3 stages x 2 models x 16 peers
+@pytest.mark.timeout(1800)
+def test_glm45_at_world_512_agrees_with_the_planner_on_every_stage() -> None:
+    """GLM-4.5 (the planner preset; no recipe of its own: the DeepSeek-V3 recipe's settings)
+    at docs/scaling.md's layout, TP 8 x PP 4 x EP 16 for both models on 512 ranks: the first
+    stage (embedding, the 3 dense layers), a middle one and the last (the LM head, the value
+    head), parameters, grads and Adam to the byte."""
+    layout = ["policy.layout.pp=4", "policy.layout.ep=16", "critic.layout.pp=4",
+              "critic.layout.ep=16", "rollout.tensor_parallel_size=16"]  # fmt: skip
+    done = dry_run("vapo_deepseek_v3.yaml", "--world-size", "512", "--ranks", "0,300,511",
+                   "--model", "glm-4.5", *layout, timeout=1700)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reports = last_json(done.stdout)["ranks"]
+    for report, pp_rank in zip(reports, (0, 2, 3), strict=True):
+        for role in ("policy", "critic"):
+            model = report[role]
+            assert model["layout"] == {"tp": 8, "pp": 4, "cp": 1, "dp": 16, "ep": 16,
+                                       "etp": 8, "edp": 1}  # fmt: skip
+            assert model["coords"]["pp"] == pp_rank
+            assert_planner_bytes(report, role)
+            built, planned = model["built_bytes"], model["planned_bytes"]  # whole tensors, +1.3 %
+            assert abs(built["checkpoint"] - planned["checkpoint"]) < 0.03 * planned["checkpoint"]
+    first, middle, last = reports
+    assert first["policy"]["param_count"] != middle["policy"]["param_count"]
+    # The last stage's LM head against the critic's value head: 151,552 x 5,120 / TP 8 - 5,120.
+    heads = last["policy"]["param_count"] - last["critic"]["param_count"]
+    assert heads == 151552 * 5120 // 8 - 5120
 
 
 @pytest.mark.timeout(240)
