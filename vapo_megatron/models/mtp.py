@@ -49,6 +49,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import gpt_model
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -152,6 +153,22 @@ class MTPLayer(MultiTokenPredictionLayer):
             hidden_states = scatter_to_sequence_parallel_region(hidden_states, self.tp_group)
         return hidden_states
 
+    def _checkpointed_forward(self, forward_func, *args, **kwargs):
+        """megatron's full (uniform) recompute of the layer, with the non-tensor arguments
+        bound outside the checkpoint: megatron-core 0.16.1 hands every keyword to it
+        positionally, and its ``save_for_backward`` refuses a ``PackedSeqParams`` (every
+        packed micro-batch)."""
+        if self.config.recompute_method != "uniform" or self.config.fp8 or args:
+            return super()._checkpointed_forward(forward_func, *args, **kwargs)
+        names = [k for k, v in kwargs.items() if v is None or isinstance(v, torch.Tensor)]
+        bound = {k: v for k, v in kwargs.items() if k not in names}
+
+        def run(*tensors):
+            return forward_func(**bound, **dict(zip(names, tensors, strict=True)))
+
+        saved = self.config.distribute_saved_activations
+        return tensor_parallel.checkpoint(run, saved, *(kwargs[k] for k in names))
+
 
 class MTPBlock(MultiTokenPredictionBlock):
     """megatron's MTP block built on ``pg_collection`` (megatron's reads parallel_state)."""
@@ -235,6 +252,10 @@ class MTPGPTModel(GPTModel):
         hidden states, embeddings and output weight (the MTP loss trains the MTP layers only)."""
         if position_ids is None:  # RoPE reads none; megatron's MTP rolls them all the same
             position_ids = torch.zeros_like(input_ids)
+        # Detached, yet a leaf that asks for its gradient: under full recompute megatron wraps
+        # the MTP layer in a checkpoint function whose output needs an input that requires
+        # grad, else no gradient reaches the MTP layer (the embedding's comes detached too).
+        trunk = hidden_states.detach().requires_grad_(torch.is_grad_enabled())
         packed = kwargs.get("packed_seq_params")
         if packed is not None:
             # megatron's roll keeps to [cu_seqlens_q[i], cu_seqlens_q[i + 1]), real-token
@@ -246,7 +267,7 @@ class MTPGPTModel(GPTModel):
         hidden = self.mtp(
             input_ids=input_ids,
             position_ids=position_ids,
-            hidden_states=hidden_states.detach(),
+            hidden_states=trunk,
             attention_mask=kwargs.get("attention_mask"),
             rotary_pos_emb=kwargs.get("rotary_pos_emb"),
             rotary_pos_cos=kwargs.get("rotary_pos_cos"),
