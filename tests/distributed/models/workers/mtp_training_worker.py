@@ -17,7 +17,7 @@ fresh engine loaded from it takes the same third step.
 At PP 2 the last stage's copy of the embedding (which the MTP layer reads) follows the
 trained embedding.
 
-Usage: python mtp_training_worker.py CHECKPOINT_ROOT ep2|pp2
+Usage: python mtp_training_worker.py CHECKPOINT_ROOT ep2|pp2|tp2
 """
 
 from __future__ import annotations
@@ -45,19 +45,17 @@ from vapo_megatron.step.updates import train_on
 from vapo_megatron.weights.mtp import is_mtp_tensor
 
 OPTIM = OptimSettings(lr=1e-3, weight_decay=0.0, clip_grad=0.0)
-LAYOUTS = {"ep2": (1, 2), "pp2": (2, 1)}
-"""Layout name -> (PP, EP) on 2 ranks."""
+LAYOUTS = {"ep2": (1, 1, 2), "pp2": (1, 2, 1), "tp2": (2, 1, 1)}
+"""Layout name -> (TP, PP, EP) on 2 ranks (TP with sequence parallelism)."""
 ALGO = algo_preset("vapo", critic_init="policy")
 WEIGHT = 0.1
 
 
 def make_engine(hf, weight: float) -> ModelEngine:
-    pp, ep = LAYOUTS[sys.argv[2]]
-    groups = build_model_groups(tp=1, pp=pp, cp=1, ep=ep)
-    engine = ModelEngine(
-        hf, ModelLayout(pp=pp, ep=ep), head="lm", optim=OPTIM, groups=groups,
-        mtp_loss_weight=weight,
-    )  # fmt: skip
+    tp, pp, ep = LAYOUTS[sys.argv[2]]
+    groups = build_model_groups(tp=tp, pp=pp, cp=1, ep=ep)
+    layout = ModelLayout(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1)
+    engine = ModelEngine(hf, layout, head="lm", optim=OPTIM, groups=groups, mtp_loss_weight=weight)
     # Routing replay drives the decoder's routers only (no routes given here: each keeps its
     # own top-k); the MTP layer's router, layer number past num_layers, is not among them.
     engine.track_routes(replay=True)
