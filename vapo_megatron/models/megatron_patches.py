@@ -13,7 +13,9 @@ DeepSeek-V3's ``MLASelfAttention.get_query_key_value_tensors`` has the same faul
 local spec its down projections are column-parallel and their outputs are gathered with
 ``gather_from_tensor_model_parallel_region(x)`` (and scattered back under sequence
 parallelism with ``scatter_to_sequence_parallel_region(x)``), both on ``parallel_state``'s TP
-group: the same thread-local gives them the layer's. And without Transformer Engine,
+group: the same thread-local gives them the layer's; the KV gather's RoPE-key columns also sum
+their gradient over TP (``_gather_summing_rope_key``: megatron leaves each rank only its own
+heads' share). And without Transformer Engine,
 megatron's ``extensions/transformer_engine.py`` leaves ``te`` a MagicMock, so
 ``multi_latent_attention``'s TE import succeeds and ``HAVE_TE`` is True; its
 ``isinstance(self.linear_proj, TELinear)`` then raises ``TypeError`` (TELinear is no type):
@@ -136,9 +138,74 @@ def _patch_mla() -> None:
 
     if importlib.util.find_spec("transformer_engine") is None:
         mla.HAVE_TE = False
-    for name in ("gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region"):
-        setattr(mla, name, _with_layer_group(getattr(mla, name)))
-    original = mla.MLASelfAttention.get_query_key_value_tensors
-    get_qkv = _in_layer_group(original)
+    mla.scatter_to_sequence_parallel_region = _with_layer_group(
+        mla.scatter_to_sequence_parallel_region
+    )
+    mla.gather_from_tensor_model_parallel_region = _gather_summing_rope_key(
+        _with_layer_group(mla.gather_from_tensor_model_parallel_region)
+    )
+    original = _in_layer_group(mla.MLASelfAttention.get_query_key_value_tensors)
+
+    @functools.wraps(original)
+    def get_qkv(self, *args, **kwargs):
+        config = self.config
+        q_width = getattr(self, "linear_q_down_proj", None)
+        q_width = getattr(q_width, "output_size_per_partition", config.q_lora_rank)
+        q_gathered = config.q_lora_rank is not None and q_width != config.q_lora_rank
+        previous = getattr(_state, "mla_gathers", None)
+        _state.mla_gathers = ["q"] * q_gathered + ["kv"]  # the gathers' order in the method
+        _state.mla_widths = (config.kv_lora_rank, config.qk_pos_emb_head_dim)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _state.mla_gathers = previous
 
     mla.MLASelfAttention.get_query_key_value_tensors = get_qkv
+
+
+def _gather_summing_rope_key(gather):
+    """megatron's gather of a column-parallel down projection's output, for MLA's
+    ``get_query_key_value_tensors``; the KV gather's RoPE-key columns also sum their gradient
+    over TP.
+
+    Under the local spec (column-parallel down projections: the CPU path) megatron 0.16.1
+    gathers ``[kv_latent | k_rope]`` over TP and uses the shared RoPE key whole on every TP
+    rank, each rank for its own heads; the gather's backward keeps each rank's own columns of
+    its gradient, so the RoPE key's columns (the last rank's) get only that rank's heads'
+    share: its weight rows and the hidden states' gradient miss the other heads' (a TP 2
+    step differed from TP 1 by 1.9e-3 at lr 1e-3; forward logits were equal). The latent's
+    gradient needs nothing: its up projection already sums it over TP. Transformer Engine's
+    spec keeps the down projections whole and sums the key's gradient through its
+    sequence-parallel gather. Here the key's columns pass ``_SumGradient`` (identity
+    forward, all-reduce backward) after the gather; the q gather (first, when ``q_lora_rank``
+    is set) is left as it was."""
+
+    @functools.wraps(gather)
+    def gathered(x, group=None):
+        out = gather(x, group)
+        pending = getattr(_state, "mla_gathers", None)
+        if not pending or pending.pop(0) != "kv":
+            return out
+        latent, rope_key = out.split(list(_state.mla_widths), dim=-1)
+        rope_key = _SumGradient.apply(rope_key, group if group is not None else _state.tp_group)
+        return torch.cat([latent, rope_key], dim=-1)
+
+    return gathered
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over ``group``. (megatron's
+    ``copy_to_tensor_model_parallel_region`` would not do here: its ``_reduce`` all-reduces
+    ``grad.contiguous()`` and returns ``grad``, so a non-contiguous gradient, as a slice of
+    ``torch.cat``'s, comes back unreduced.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

@@ -1,6 +1,8 @@
-"""Worker: one training step of a tiny Qwen3-MoE policy at EP1, EP2 and EP2 x TP2 (2 ranks).
+"""Worker: one training step of a tiny Qwen3-MoE policy at EP1, EP2 and EP2 x TP2 (2 ranks);
+with ``deepseek_v3``, a tiny DeepSeek-V3 (MLA, a dense first layer, a shared expert, sigmoid
+routing with a non-zero expert bias) at EP1, TP2 and EP2 x TP2, the plain optimizer only.
 
-Usage: python moe_ep_step_worker.py OUT.pt. Every layout trains the same HF weights on the same
+Usage: python moe_ep_step_worker.py OUT.pt [qwen3_moe|deepseek_v3]. Every layout trains the same HF weights on the same
 mini-batch through the trainer's own path (``ModelEngine`` + ``step/updates.py::train_on``:
 DP shares, token-budget micro-batches, global loss normalisers, megatron's DDP and Adam):
 
@@ -38,14 +40,20 @@ from vapo_megatron.parallel.model_groups import build_model_groups, ensure_globa
 from vapo_megatron.step.batching import FLAT_INDEX
 from vapo_megatron.step.losses import policy_loss_fn
 from vapo_megatron.step.updates import train_on
-from vapo_megatron.tiny.model import tiny_qwen3_config, train_tokenizer
+from vapo_megatron.tiny.model import tiny_deepseek_v3_config, tiny_qwen3_config, train_tokenizer
 
 # (layout, build_model_groups sizes) on 2 ranks.
 LAYOUTS = {
     "ep1": (ModelLayout(), dict(tp=1, ep=1)),
     "ep2": (ModelLayout(ep=2), dict(tp=1, ep=2)),
     "ep2xtp2": (ModelLayout(tp=2, ep=2, etp=1, sequence_parallel=True), dict(tp=2, ep=2, etp=1)),
+    "tp2": (ModelLayout(tp=2, sequence_parallel=True), dict(tp=2, ep=1)),
 }
+RUNS = {
+    "qwen3_moe": [(n, d) for n in ("ep1", "ep2", "ep2xtp2") for d in (False, True)],
+    "deepseek_v3": [(n, False) for n in ("ep1", "tp2", "ep2xtp2")],
+}
+"""(layout, distributed optimizer) of each family's runs."""
 # Adam's first step moves each weight by lr * g / (|g| + eps), whose slope in g is at most
 # 1 / eps: eps = lr keeps a gradient's rounding-level difference between layouts at the same
 # size in the weights (the project's default eps = 1e-8 would amplify it up to +-lr; the test's
@@ -56,13 +64,20 @@ FIELDS = [FLAT_INDEX, "old_logprobs", "advantages", "positive", "seq_num_tokens"
 TOKEN_BUDGET = 32  # several micro-batches on each data-parallel rank
 
 
-def reference() -> tuple[HFModelConfig, dict[str, torch.Tensor], int]:
+def reference(family: str = "qwen3_moe") -> tuple[HFModelConfig, dict[str, torch.Tensor], int]:
     """The tiny model's config, HF weights (the same on every rank) and vocabulary size."""
     tokenizer = train_tokenizer(["12+34=46", "Answer: 46", "7*8=56 and 9-3=6"], vocab_size=300)
-    config = tiny_qwen3_config(tokenizer, moe=True, num_layers=2)
+    if family == "deepseek_v3":
+        config = tiny_deepseek_v3_config(tokenizer, num_layers=3)
+    else:
+        config = tiny_qwen3_config(tokenizer, moe=True, num_layers=2)
     config.initializer_range = 0.1  # router logits far apart: no near-ties in the top-k
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config).float()
+    if family == "deepseek_v3":  # a bias that changes the choice, not the weights
+        for layer in policy.model.layers[config.first_k_dense_replace :]:
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias.copy_(torch.randn(bias.shape) * 0.05)
     return HFModelConfig.from_hf(config.to_dict()), checkpoint_tensors(policy), config.vocab_size
 
 
@@ -134,16 +149,15 @@ def one_step(name: str, hf, sd, vocab: int, *, distributed_optimizer: bool) -> d
     return found
 
 
-def main(out: str) -> None:
+def main(out: str, family: str = "qwen3_moe") -> None:
     initialize_cpu_process_group()
     ensure_global_memory_buffer()
-    hf, sd, vocab = reference()
+    hf, sd, vocab = reference(family)
     results = {"initial": sd}
-    for name in LAYOUTS:
-        for dist_opt in (False, True):
-            found = one_step(name, hf, sd, vocab, distributed_optimizer=dist_opt)
-            results[f"{name}/{'distopt' if dist_opt else 'plain'}"] = found
-            print(f"rank {dist.get_rank()}: {name} distopt={dist_opt}: {found['metrics']}")
+    for name, dist_opt in RUNS[family]:
+        found = one_step(name, hf, sd, vocab, distributed_optimizer=dist_opt)
+        results[f"{name}/{'distopt' if dist_opt else 'plain'}"] = found
+        print(f"rank {dist.get_rank()}: {name} distopt={dist_opt}: {found['metrics']}")
     if dist.get_rank() == 0:
         torch.save(results, out)
     dist.barrier()
@@ -151,4 +165,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
