@@ -127,6 +127,7 @@ class StubEngine:
         self.cp_rank, self.tp_rank = 0, rank if tp2 else 0
         self.is_last_stage, self.vocab_slice, self.compute_seconds = True, None, 0.0
         self.router_replay = None  # a dense model: no routing replay
+        self.mtp_loss_weight = 0.0  # no multi-token-prediction layers built
         dp_cp = singles[rank] if tp2 else dist.group.WORLD  # TP2: each rank its own DP group
         self.groups = SimpleNamespace(
             world=dist.group.WORLD, host=host, parallel=SimpleNamespace(dp_cp=dp_cp, cp=None),
