@@ -11,13 +11,15 @@
 cd "$(dirname "$0")/.."
 case "${1:-paper}" in
   paper) recipe=recipes/ablation_long_unfinished.yaml out=runs/ablation_bias/critic_lr_2x
-         report=docs/ablation_bias.json png=docs/ablation_bias.png ;;
+         report=docs/ablation_bias_critic_lr_2x.json png=docs/ablation_bias.png ;;
   fast) recipe=recipes/ablation_long_unfinished_fast_critic.yaml out=runs/ablation_bias/critic_lr_2e-3
         report=docs/ablation_bias_fast_critic.json png=docs/ablation_bias_fast_critic.png ;;
   early) recipe=recipes/ablation_long_unfinished.yaml out=runs/ablation_bias/critic_lr_2x_early
          report=docs/ablation_bias_early.json png=docs/ablation_bias_early.png steps=(--steps 8) ;;
   *) echo "usage: $0 [paper|fast|early]" >&2; exit 2 ;;
 esac
-exec nice -n 19 .venv/bin/python tools/ablate.py --recipe "$recipe" \
+nice -n 19 .venv/bin/python tools/ablate.py --recipe "$recipe" \
   --rows vapo,vapo_without_value_pretraining,vapo_without_decoupled_gae,ppo \
-  --seeds "${SEEDS:-3}" "${steps[@]}" --out "$out" --json "$report" --png "$png"
+  --seeds "${SEEDS:-3}" "${steps[@]}" --out "$out" --json "$report" --png "$png" || exit
+# Every setting's rows in one file, docs/ablation_bias.json (a row per preset and setting).
+exec .venv/bin/python tools/ablation_bias_merge.py

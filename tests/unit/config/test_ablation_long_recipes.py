@@ -3,6 +3,7 @@ its preset over recipes/ablation_long.yaml, at the paper's values where they fit
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -94,4 +95,24 @@ def test_the_bias_sweep_script_runs_these_recipes_and_rows():
     assert f"--rows {','.join(BIAS_ROWS)}" in script
     for recipe in (UNFINISHED, UNFINISHED_FAST):
         assert str(recipe.relative_to(REPO_ROOT)) in script
-    assert '--json "$report"' in script and "docs/ablation_bias.json" in script
+    assert '--json "$report"' in script and "tools/ablation_bias_merge.py" in script
+
+
+def test_the_bias_reports_merge_into_a_row_per_preset_and_setting(tmp_path):
+    from tools.ablation_bias_merge import SETTINGS, merge
+
+    (tmp_path / "docs").mkdir()
+    for k, setting in enumerate(list(SETTINGS.values())[:2]):
+        rows = {preset: {"preset": preset, "finals": [float(k)]} for preset in BIAS_ROWS}
+        report = {"rows": rows, "evaluation_movement_shared": {"fraction": 0.5 + k}}
+        (tmp_path / setting["report"]).write_text(json.dumps(report))
+    merged = merge(tmp_path)
+    names = list(SETTINGS)
+    assert sorted(merged["rows"]) == sorted(f"{p}@{n}" for p in BIAS_ROWS for n in names[:2])
+    assert merged["rows"][f"ppo@{names[1]}"] == {
+        "preset": "ppo",
+        "finals": [1.0],
+        "setting": names[1],
+    }
+    assert merged["settings"][names[0]]["evaluation_movement_shared"] == {"fraction": 0.5}
+    assert merged["missing"] == [SETTINGS[names[2]]["report"]]
