@@ -22,6 +22,7 @@ CONSOLE_KEYS = (
     ("policy/clip_frac_high", "clip_hi", "{:.3f}"),
     ("rollout/logprob_gap", "gap", "{:.1e}"),
     ("policy/route_agreement", "routes", "{:.3f}"),  # MoE routing replay (step/updates.py)
+    ("policy/mtp_loss", "mtp", "{:.3f}"),  # MTP layers trained (policy.mtp.loss_weight > 0)
     ("time/step", "s", "{:.1f}"),
 )
 
